@@ -1,0 +1,2 @@
+from modelfleet.cli.commands import main
+raise SystemExit(main())

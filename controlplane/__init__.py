@@ -1,0 +1,1 @@
+"""Control plane: registry, tenants, API keys, rollouts."""

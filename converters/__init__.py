@@ -1,0 +1,1 @@
+"""Converters: weights to per-hardware artifacts."""

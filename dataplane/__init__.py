@@ -1,0 +1,1 @@
+"""Data plane: the engine and the model server."""
