@@ -36,10 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:
+        # Errors a user can fix (bad input, missing or existing files): one line, no traceback.
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"modelfleet {args.command}: error: {first_line}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """An error a user can fix: printed as one line, exit code 2."""
