@@ -1,0 +1,82 @@
+"""The engine's configuration: user choices. Values the engine derives (KV blocks, EOS ids) are not here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    # Token budget of one step (prefill chunks plus decodes).
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    # KV-cache budget on the CPU, in bytes.
+    kv_cache_bytes: int = 1 << 30
+    # KV-cache budget on accelerators: this fraction of the memory free after loading the model.
+    kv_cache_memory_fraction: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # "auto": bfloat16 on accelerators, float32 on the CPU.
+    dtype: str = "auto"
+    # None: the best device present (see modelfleet.dataplane.device).
+    device: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.model = str(self.model)
+        if not Path(self.model).is_dir():
+            raise ValueError(
+                f"model: {self.model!r} is not a directory; pass a Hugging Face checkpoint folder"
+            )
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("block_size", self.block_size)
+        _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:
+                raise ValueError(
+                    "max_model_len: must be at least 2 (one prompt token and one generated token)"
+                )
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} is outside (0, 1]; "
+                "use e.g. 0.9 for 90% of free device memory"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            check_prefill_fits(self.max_num_batched_tokens, self.max_model_len)
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path, **kwargs: Any) -> EngineConfig:
+        """Builds a config from keyword arguments, refusing unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]}: not an engine setting; known settings: {', '.join(sorted(known))}"
+            )
+        return cls(model=str(model), **kwargs)
+
+
+def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int) -> None:
+    """Without chunked prefill a whole prompt must fit into one step's token budget."""
+    if max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens: {max_num_batched_tokens} is below max_model_len {max_model_len}; "
+            "raise it or enable chunked prefill"
+        )
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: {value!r} must be a positive integer")

@@ -1,0 +1,156 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, and prefix caching.
+
+Plain Python, no torch: the model runner owns the tensors, this module only decides which block ids a
+sequence's tokens live in. A full block is named by a chained hash (its parent's hash and its tokens), so
+two sequences with the same prefix share blocks. Freed blocks keep their hash and stay findable until
+they are handed out again: free blocks are reused least recently freed first, blocks that hold no cached
+prefix before those that do, and a sequence's tail blocks before its head blocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from modelfleet.dataplane.engine.sequence import Sequence
+
+
+class KVBlock:
+    __slots__ = ("block_hash", "block_id", "ref_count")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        # Set while the block holds a full block of tokens that the prefix cache can find.
+        self.block_hash: int | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    # Python's hash of a tuple of ints is 64-bit and the same in every process (no hash randomization).
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: {num_blocks} must be at least 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Front is reused first. Values unused: an ordered set with O(1) removal from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}
+        # Per request: how many of its leading blocks are already registered in the prefix cache.
+        self._num_registered: dict[str, int] = {}
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be handed out."""
+        return list(self._free)
+
+    def cached_block_id(self, block_hash: int) -> int | None:
+        return self._cached.get(block_hash)
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest cached prefix of `seq` as (block ids, number of tokens); nothing is taken yet."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        # The last token is always computed so that the step yields logits for it.
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(seq, max_hit_blocks)
+        hit_ids: list[int] = []
+        for block_hash in seq.block_hashes[:max_hit_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        self.num_query_tokens += seq.num_tokens
+        self.num_hit_tokens += len(hit_ids) * self.block_size
+        return hit_ids, len(hit_ids) * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+        """Gives `seq` blocks for `num_new_tokens` more tokens after its computed ones (and after the
+        prefix-cache hits `computed_block_ids`, which it then shares). False, changing nothing, if the
+        free blocks do not suffice."""
+        num_computed = seq.num_computed_tokens + len(computed_block_ids) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_needed - len(seq.block_ids) - len(computed_block_ids)
+        # A hit on a free block takes it out of the free pool too.
+        num_free_hits = sum(1 for b in computed_block_ids if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_free_hits > len(self._free):
+            return False
+        for block_id in computed_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        seq.block_ids.extend(computed_block_ids)
+        if computed_block_ids:
+            self._num_registered[seq.request_id] = len(seq.block_ids)
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_ids.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, (num_computed + num_new_tokens) // self.block_size)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Releases the sequence's blocks; blocks no one else holds become free (and stay cached)."""
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    # Holds nothing reusable: hand it out before blocks that do.
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_ids = []
+        self._num_registered.pop(seq.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self._cached.values():
+            self.blocks[block_id].block_hash = None
+        self._cached.clear()
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _hash_full_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        size = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(seq.token_ids[i * size : (i + 1) * size])))
+
+    def _register_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
+        start = self._num_registered.get(seq.request_id, 0)
+        if num_full_blocks <= start:
+            return
+        self._hash_full_blocks(seq, num_full_blocks)
+        for i in range(start, num_full_blocks):
+            block = self.blocks[seq.block_ids[i]]
+            block_hash = seq.block_hashes[i]
+            # Another sequence may have computed the same block first: keep its copy as the cached one.
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block.block_id
+        self._num_registered[seq.request_id] = num_full_blocks

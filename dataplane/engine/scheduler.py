@@ -1,0 +1,174 @@
+"""Decides, every step, which sequences run and how many tokens of each: continuous batching.
+
+Plain Python, no torch. One step mixes decodes and prefill chunks under a token budget. Running
+sequences go first, in priority order (lower value first, then first come first served); when the KV
+cache runs out, the last of them (lowest priority, newest) is preempted: its blocks are freed and it is
+recomputed later from its tokens. Waiting requests are admitted in the same order while budget, sequence
+slots and blocks last.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from modelfleet.dataplane.engine.block_manager import BlockManager
+from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    # Tokens already in the KV cache before this step (prefix-cache hits included).
+    num_computed_tokens: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the sequence's last token, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Both kept sorted by Sequence.sort_key.
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request_id: {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        bisect.insort(self.waiting, seq, key=_sort_key)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # Running sequences: decodes and the remaining chunks of their prompts.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+
+        # Waiting requests, unless this step already had to free blocks.
+        while (
+            not out.preempted_request_ids
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            hit_block_ids, num_hit_tokens = self.block_manager.get_computed_blocks(seq)
+            num_new = seq.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.allocate_slots(seq, num_new, hit_block_ids):
+                break
+            self.waiting.pop(0)
+            if seq.status is SequenceStatus.WAITING:
+                seq.num_cached_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_sort_key)
+            out.scheduled.append(ScheduledSequence(seq, num_hit_tokens, num_new))
+            budget -= num_new
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Records a finished step. `sampled_token_ids` is aligned with `out.scheduled` (None where the
+        step sampled nothing). Returns the sequences that got a token, finished ones included."""
+        updated = []
+        now = time.monotonic()
+        for item, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                self.finish(seq.request_id, reason)
+            updated.append(seq)
+        return updated
+
+    def finish(self, request_id: str, reason: str, error: str | None = None) -> Sequence | None:
+        """Ends a request now (stop, length, abort, error) and frees its blocks. None if unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.finished_time = time.monotonic()
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_sort_key)
+
+
+def _sort_key(seq: Sequence) -> tuple[int, int]:
+    return seq.sort_key

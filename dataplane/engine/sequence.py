@@ -1,0 +1,98 @@
+"""The state of one request inside the engine: its tokens, how far its KV is computed, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from modelfleet.dataplane.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Preempted: its blocks were freed; it waits to be recomputed from its tokens.
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # Prompt then outputs; the scheduler and block manager read it, so it is kept rather than rebuilt.
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        # FCFS tie-break within a priority; preempted requests keep theirs.
+        self.arrival_index = next(_arrival_counter)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.status = SequenceStatus.WAITING
+        # Tokens whose K/V are in the cache.
+        self.num_computed_tokens = 0
+        # Tokens found in the prefix cache when the request was first scheduled.
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        # Chained hashes of this sequence's full blocks, computed once each.
+        self.block_hashes: list[int] = []
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then first come first served."""
+        return (self.priority, self.arrival_index)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> str | None:
+        """The finish reason after the last appended token, from token ids and lengths alone."""
+        last = self.output_token_ids[-1]
+        if last in self.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )

@@ -1,0 +1,83 @@
+"""How to pick the next tokens and when to stop, per request (names and meanings follow the OpenAI API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are greedy.
+GREEDY_EPSILON = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 or -1: all tokens.
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 16
+    # Number of most likely tokens whose log-probabilities are returned per generated token.
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n: {self.n!r} is not supported; only n=1 (send several requests instead)")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: {self.temperature!r} must be >= 0 (0 means greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p: {self.top_p!r} must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: {self.top_k!r} must be -1 or 0 (all tokens) or a positive integer")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: {self.min_p!r} must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: {self.seed!r} must be an integer or None")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: {self.repetition_penalty!r} must be > 0 (1 means none)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name}: {value!r} must be in [-2, 2]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: {self.stop!r} must be a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens: {self.max_tokens!r} must be an integer >= 1")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs: {self.logprobs!r} must be None or an integer >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
