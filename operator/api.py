@@ -1,0 +1,377 @@
+"""The two custom resources, InferenceModel and ModelVersion: the one source of their schema.
+
+`crdgen.py` turns these models into the CRDs of crds/; the operator parses live objects with them. Every
+rule that spans fields lives twice on purpose: as a pydantic validator here (for the operator, the control
+plane and the tests) and as a CEL rule in `json_schema_extra` (for the API server, so `kubectl apply`
+refuses a bad spec before the operator sees it). Bounds on every string and list keep the CEL cost
+estimates of the API server within its limits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Annotated, Any, Literal
+
+from modelfleet.converters.formats import ACCELERATORS, DTYPES, FORMATS
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "modelfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# RE2-compatible (the API server's regex engine): no look-arounds.
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+URI_PATTERN = r"^(file|pvc|https?|s3)://.+$"
+URI_SCHEMES = ("file", "pvc", "http", "https", "s3")
+STICKY_BY_PATTERN = r"^(none|user|header:[A-Za-z0-9][-A-Za-z0-9_]*)$"
+DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
+SHA256_PATTERN = r"^[a-f0-9]{64}$"
+MAX_VERSIONS = 16
+
+Accelerator = Literal[ACCELERATORS]  # type: ignore[valid-type]
+TargetFormat = Literal[FORMATS]  # type: ignore[valid-type]
+TargetDtype = Literal[DTYPES]  # type: ignore[valid-type]
+Quantization = Literal["none", "int8", "fp8"]
+SourceFormat = Literal["hf-safetensors", "onnx"]
+Phase = Literal["Pending", "Converting", "Ready", "Failed"]
+
+
+def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    """CEL rules (rule, message) for the CRD schema of a model or field."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+def _name_field(description: str, **kwargs: Any) -> Any:
+    return Field(min_length=1, max_length=63, pattern=DNS_LABEL, description=description, **kwargs)
+
+
+class _Model(BaseModel):
+    """camelCase on the wire (as Kubernetes), snake_case in Python; unknown fields are ignored (pruned)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, protected_namespaces=(), extra="ignore"
+    )
+
+
+# --- shared ----------------------------------------------------------------------------------------------
+
+
+class Condition(_Model):
+    """The standard Kubernetes condition (metav1.Condition)."""
+
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+        r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+    )
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=1024, min_length=1, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = Field(max_length=32768)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+def _conditions_field() -> Any:
+    return Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+# --- InferenceModel --------------------------------------------------------------------------------------
+
+
+class Toleration(_Model):
+    """A pod toleration, as in the core API."""
+
+    key: str | None = Field(default=None, max_length=316)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(default=None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, ge=0)
+
+
+class Hardware(_Model):
+    """Where the data-plane pods run: an accelerator class of the hardware table and devices per replica."""
+
+    accelerator: Accelerator = Field(description="Hardware class, one of the fleet's hardware table.")
+    count: int = Field(default=1, ge=1, le=16, description="Devices per replica (ignored for cpu).")
+    node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Extra node labels, added to the class's label."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+
+    @field_validator("node_selector")
+    @classmethod
+    def _bounded_labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if len(key) > 316 or len(label) > 63:
+                raise ValueError(f"label {key!r} is too long (keys up to 316, values up to 63 characters)")
+        return value
+
+
+class Replicas(_Model):
+    """Data-plane replicas; an autoscaler moves between min and max when they differ."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(("self.min <= self.max", "min must be <= max")))
+
+    min: int = Field(default=1, ge=0, le=1000)
+    max: int = Field(default=1, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> Replicas:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max}); raise max or lower min")
+        return self
+
+
+class Engine(_Model):
+    """Engine settings of the data-plane pods."""
+
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=1048576, description="Longest prompt + completion; default: the model's."
+    )
+    max_num_seqs: int = Field(default=256, ge=1, le=4096, description="Sequences running at once.")
+    kv_cache_memory_fraction: float = Field(
+        default=0.9, gt=0, le=1, description="Share of device memory for weights and KV cache."
+    )
+    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+
+
+class TrafficEntry(_Model):
+    """A share of the model's requests sent to one version."""
+
+    version: str = _name_field("The ModelVersion's spec.version.")
+    weight: int = Field(ge=0, le=100, description="Percent of requests, 0..100.")
+
+
+class Routing(_Model):
+    """How requests are spread over versions; `model: name@version` pins one regardless."""
+
+    sticky_by: str = Field(
+        default="none",
+        max_length=128,
+        pattern=STICKY_BY_PATTERN,
+        description="none, user (the OpenAI `user` field) or header:<Name>.",
+    )
+
+
+class Thresholds(_Model):
+    """Breaching any of these during a canary step rolls the candidate back."""
+
+    max_error_rate: float = Field(default=0.01, ge=0, le=1, description="Share of failed requests.")
+    max_p95_latency_ms: int | None = Field(default=None, ge=1, le=3600000)
+
+
+class Rollout(_Model):
+    """An automated canary: the candidate's weight climbs through `steps` every `interval`."""
+
+    candidate: str = _name_field("Version that receives growing traffic.")
+    steps: list[Annotated[int, Field(ge=1, le=100)]] = Field(
+        default=[10, 50, 100],  # pydantic copies mutable defaults per instance
+        min_length=1,
+        max_length=20,
+        description="Candidate weight at each step, strictly increasing, each 1..100.",
+        json_schema_extra=_rules(
+            (
+                "self.isSorted() && self.all(s, self.exists_one(t, t == s))",
+                "steps must be strictly increasing",
+            )
+        ),
+    )
+    interval: str = Field(default="5m", max_length=32, pattern=DURATION_PATTERN, description="e.g. 30s, 5m.")
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing(cls, steps: list[int]) -> list[int]:
+        if any(a >= b for a, b in itertools.pairwise(steps)):
+            raise ValueError(f"steps must be strictly increasing, got {steps}")
+        return steps
+
+
+class Loading(_Model):
+    """When the data plane loads a version's weights, and when it lets them go."""
+
+    mode: Literal["lazy", "eager"] = Field(
+        default="lazy", description="lazy: on the first request; eager: at pod start."
+    )
+    idle_unload_after: str | None = Field(
+        default=None, max_length=32, pattern=DURATION_PATTERN, description="Unload a version idle this long."
+    )
+
+
+class InferenceModelSpec(_Model):
+    """A stable endpoint that clients call by name, split over ModelVersions."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "!has(self.rollout) || self.traffic.exists(t, t.version == self.rollout.candidate)",
+                "rollout.candidate must name a version listed in traffic",
+            )
+        )
+    )
+
+    hardware: Hardware
+    replicas: Replicas = Field(default_factory=Replicas)
+    engine: Engine = Field(default_factory=Engine)
+    traffic: list[TrafficEntry] = Field(
+        min_length=1,
+        max_length=MAX_VERSIONS,
+        description="Versions and their weights; the weights sum to 100.",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["version"],
+            **_rules(
+                ("self.map(t, t.weight).sum() == 100", "weights must sum to 100"),
+                ("self.all(t, self.exists_one(u, u.version == t.version))", "version names must be unique"),
+            ),
+        },
+    )
+    routing: Routing = Field(default_factory=Routing)
+    rollout: Rollout | None = None
+    loading: Loading = Field(default_factory=Loading)
+
+    @field_validator("traffic")
+    @classmethod
+    def _valid_split(cls, traffic: list[TrafficEntry]) -> list[TrafficEntry]:
+        names = [t.version for t in traffic]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"version names must be unique; repeated: {', '.join(repeated)}")
+        total = sum(t.weight for t in traffic)
+        if total != 100:
+            split = ", ".join(f"{t.version}={t.weight}" for t in traffic)
+            raise ValueError(f"weights must sum to 100, got {total} ({split})")
+        return traffic
+
+    @model_validator(mode="after")
+    def _candidate_in_traffic(self) -> InferenceModelSpec:
+        if self.rollout and self.rollout.candidate not in {t.version for t in self.traffic}:
+            raise ValueError(
+                f"rollout.candidate {self.rollout.candidate!r} is not in traffic; add it with weight 0"
+            )
+        return self
+
+
+class VersionStatus(_Model):
+    """What the operator serves of one version."""
+
+    name: str = Field(max_length=63)
+    phase: Phase | None = None
+    weight: int = Field(default=0, ge=0, le=100, description="Weight actually served (0 until Ready).")
+    ready_replicas: int = Field(default=0, ge=0)
+    message: str | None = Field(default=None, max_length=1024)
+
+
+class InferenceModelStatus(_Model):
+    observed_generation: int | None = Field(default=None, ge=0)
+    conditions: list[Condition] = _conditions_field()
+    endpoint: str | None = Field(default=None, max_length=512, description="In-cluster URL of the API.")
+    traffic: str | None = Field(default=None, max_length=1024, description="Served split, e.g. v1=90,v2=10.")
+    ready_replicas: int = Field(default=0, ge=0)
+    versions: list[VersionStatus] = Field(default_factory=list, max_length=MAX_VERSIONS)
+
+
+# --- ModelVersion ----------------------------------------------------------------------------------------
+
+
+class Source(_Model):
+    """Where the original weights are."""
+
+    uri: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="file://, pvc://<claim>/<path>, http(s):// or s3:// location of the weights.",
+        json_schema_extra={"pattern": URI_PATTERN},  # pydantic side: `_known_scheme` says what to use
+    )
+    format: SourceFormat = Field(default="hf-safetensors")
+    sha256: str | None = Field(default=None, pattern=SHA256_PATTERN, max_length=64)
+
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, uri: str) -> str:
+        scheme, sep, rest = uri.partition("://")
+        if not sep or scheme not in URI_SCHEMES or not rest:
+            raise ValueError(
+                f"{uri!r} has no supported scheme; use one of {', '.join(s + '://' for s in URI_SCHEMES)}"
+            )
+        return uri
+
+
+class Target(_Model):
+    """One artifact to produce: the weights in a format and dtype for a hardware class."""
+
+    accelerator: Accelerator
+    format: TargetFormat
+    dtype: TargetDtype
+
+
+class ModelVersionSpec(_Model):
+    """One immutable set of weights of an InferenceModel."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(("self == oldSelf", "spec is immutable; create a new ModelVersion instead"))
+    )
+
+    model: str = _name_field("Name of the InferenceModel this version belongs to.")
+    version: str = _name_field("Version name used in the model's traffic, e.g. v2.")
+    source: Source
+    quantization: Quantization = "none"
+    targets: list[Target] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Explicit conversion targets; empty: derived from the model's accelerator.",
+    )
+
+
+class Artifact(_Model):
+    """A converted, validated artifact ready to serve."""
+
+    accelerator: str = Field(max_length=63)
+    format: str = Field(max_length=63)
+    dtype: str = Field(max_length=63)
+    uri: str = Field(max_length=2048)
+    sha256: str | None = Field(default=None, max_length=64)
+    size_bytes: int | None = Field(default=None, ge=0)
+    validation: dict[str, Any] = Field(
+        default_factory=dict, description="Checks against the source (logit difference, top-1 agreement)."
+    )
+
+
+class ModelVersionStatus(_Model):
+    observed_generation: int | None = Field(default=None, ge=0)
+    phase: Phase | None = None
+    artifacts: list[Artifact] = Field(default_factory=list, max_length=16)
+    conditions: list[Condition] = _conditions_field()
+
+
+# --- whole objects ---------------------------------------------------------------------------------------
+
+
+class _Object(_Model):
+    api_version: str = Field(default=API_VERSION, max_length=253)
+    kind: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("api_version")
+    @classmethod
+    def _our_group(cls, value: str) -> str:
+        if value != API_VERSION:
+            raise ValueError(f"must be {API_VERSION}, got {value!r}")
+        return value
+
+
+class InferenceModel(_Object):
+    kind: Literal["InferenceModel"] = "InferenceModel"
+    spec: InferenceModelSpec
+    status: InferenceModelStatus | None = None
+
+
+class ModelVersion(_Object):
+    kind: Literal["ModelVersion"] = "ModelVersion"
+    spec: ModelVersionSpec
+    status: ModelVersionStatus | None = None

@@ -1,0 +1,33 @@
+"""Shared fixtures of the operator tests: the generated CRDs and their schemas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from modelfleet.operator import crdgen
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def crd_files() -> dict[str, dict[str, Any]]:
+    """The checked-in CRDs, by kind."""
+    crds = {}
+    for name in crdgen.all_crds():
+        crd = yaml.safe_load((ROOT / "crds" / name).read_text())
+        crds[crd["spec"]["names"]["kind"]] = crd
+    return crds
+
+
+@pytest.fixture(scope="session")
+def schemas(crd_files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """openAPIV3Schema of each checked-in CRD, by kind."""
+    return {kind: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"] for kind, crd in crd_files.items()}
