@@ -1,0 +1,64 @@
+"""The attention-backend interface and a registry of implementations by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+from modelfleet.dataplane.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into a paged cache and computes attention reading K/V through block tables.
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 keys, 1 values).
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """key/value: [T, num_kv_heads, head_dim] -> kv_cache slots slot_mapping[T] (negative: skip)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        *,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """query: [T, Hq, D] -> [T, Hq, D]. key/value (this step's, already written) are an optional hint
+        a backend may use when no sequence has cached context. sliding_window W: keys at p-W+1..p only."""
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def decorator(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        cls.name = name
+        _BACKENDS[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_backends() -> tuple[str, ...]:
+    return tuple(sorted(_BACKENDS))
+
+
+def get_backend(name: str) -> AttentionBackend:
+    cls = _BACKENDS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"attention backend {name!r} is not registered; available: {', '.join(available_backends())}"
+        )
+    return cls()

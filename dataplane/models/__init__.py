@@ -1,0 +1,73 @@
+"""Models: `load_model(model_dir, device=..., dtype=...)` returns a CausalLM over a paged KV cache.
+
+CausalLM contract (used by the engine's model runner):
+  .config: ModelConfig
+  .forward(input_ids [T], positions [T], kv_caches: list of [2, num_blocks, block_size, Hkv, D],
+           attn_metadata) -> hidden [T, hidden]
+  .compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from modelfleet.dataplane.attention import get_backend
+from modelfleet.dataplane.device import attention_backend_name
+from modelfleet.dataplane.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    ConfigError,
+    ModelConfig,
+    RopeConfig,
+    UnsupportedModelError,
+)
+from modelfleet.dataplane.models.llama import LlamaForCausalLM
+from modelfleet.dataplane.models.loader import CheckpointError, load_weights
+
+CausalLM = LlamaForCausalLM  # the one family implemented; others would share its interface
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CausalLM",
+    "CheckpointError",
+    "ConfigError",
+    "ModelConfig",
+    "RopeConfig",
+    "UnsupportedModelError",
+    "kv_cache_block_bytes",
+    "load_model",
+]
+
+
+def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV-cache block across all layers: K and V, block_size tokens, every KV head."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attention_backend: str | None = None,
+) -> LlamaForCausalLM:
+    """Build the model on the meta device, then take its weights from memory-mapped safetensors."""
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    config = ModelConfig.from_dir(model_dir)
+    if config.quantization is not None:
+        raise UnsupportedModelError(
+            f"{model_dir}: quantized checkpoints ({config.quantization.format}) need "
+            "modelfleet.dataplane.quantization.QuantizedLinear, which is not available yet; "
+            "serve the unquantized artifact"
+        )
+    backend = get_backend(attention_backend or attention_backend_name(device))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): ignore it.
+    ignore = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    load_weights(model, model_dir, device, dtype, ignore=ignore)
+    model.after_load(device)
+    model.requires_grad_(False)
+    return model.eval()

@@ -1,0 +1,125 @@
+"""Fill a meta-device model from safetensors files (memory-mapped), checking every tensor first."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from modelfleet.dataplane.layers.linear import MergedLinear
+from safetensors import safe_open
+from torch import nn
+
+# Checkpoint tensors that some exporters write but that are derived, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The weights do not match the architecture in config.json (missing, unexpected, mis-shaped)."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files; convert the checkpoint to safetensors")
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: listed in model.safetensors.index.json but missing")
+    return files
+
+
+class _Checkpoint:
+    """Lazy name -> tensor access over several memory-mapped safetensors files."""
+
+    def __init__(self, files: list[Path], stack: ExitStack) -> None:
+        self._where: dict[str, Any] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                self._where[name] = handle
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+def _sources(model: nn.Module, param_name: str) -> list[str]:
+    """Checkpoint names whose tensors make up one of our parameters (several for fused projections)."""
+    module_name, _, attr = param_name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if isinstance(module, MergedLinear):
+        parent = module_name.rpartition(".")[0]
+        return [f"{parent}.{part}.{attr}" for part in module.part_names]
+    return [param_name]
+
+
+def _part_shapes(model: nn.Module, param_name: str, shape: torch.Size) -> list[tuple[int, ...]]:
+    module_name = param_name.rpartition(".")[0]
+    module = model.get_submodule(module_name) if module_name else model
+    if isinstance(module, MergedLinear):
+        return [(size, *shape[1:]) for size in module.part_sizes]
+    return [tuple(shape)]
+
+
+def _convert(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # Floating weights take the serving dtype; quantized payloads (int8/fp8) and their scales keep theirs.
+    quantized = tensor.dtype in (torch.int8, torch.float8_e4m3fn) or name.endswith("_scale")
+    if tensor.dtype.is_floating_point and not quantized:
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
+
+
+def iter_state_dict(
+    model: nn.Module, ckpt: _Checkpoint, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (our name, tensor) for every parameter of `model`, raising CheckpointError on any mismatch."""
+    expected = model.state_dict(keep_vars=True)
+    for name, param in expected.items():
+        parts = []
+        for source, shape in zip(_sources(model, name), _part_shapes(model, name, param.shape), strict=True):
+            if source not in ckpt:
+                raise CheckpointError(f"checkpoint is missing tensor {source!r} (shape {list(shape)})")
+            tensor = ckpt.get(source)
+            if tuple(tensor.shape) != shape:
+                raise CheckpointError(
+                    f"checkpoint tensor {source!r} has shape {list(tensor.shape)}; "
+                    f"config.json implies {list(shape)}"
+                )
+            parts.append(_convert(source, tensor, device, dtype))
+        yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def load_weights(
+    model: nn.Module,
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    ignore: set[str] = frozenset(),
+) -> None:
+    """Load model_dir's safetensors into `model` (built on the meta device) with assign=True."""
+    with ExitStack() as stack:
+        ckpt = _Checkpoint(checkpoint_files(model_dir), stack)
+        used: set[str] = set()
+        for name in model.state_dict(keep_vars=True):
+            used.update(_sources(model, name))
+        unexpected = sorted(n for n in ckpt.names() - used - set(ignore) if not n.endswith(_IGNORED_SUFFIXES))
+        if unexpected:
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise CheckpointError(
+                f"checkpoint has unexpected tensor {unexpected[0]!r}{more}; is config.json for these weights?"
+            )
+        state = dict(iter_state_dict(model, ckpt, device, dtype))
+    model.load_state_dict(state, strict=True, assign=True)
