@@ -1,0 +1,138 @@
+{{/* Names: 63 characters at most, the DNS label limit. */}}
+{{- define "modelfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "modelfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "modelfleet.operator.fullname" -}}
+{{- printf "%s-operator" (include "modelfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "modelfleet.controlPlane.fullname" -}}
+{{- printf "%s-controlplane" (include "modelfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "modelfleet.modelStore.claimName" -}}
+{{- if .Values.modelStore.existingClaim }}
+{{- .Values.modelStore.existingClaim }}
+{{- else }}
+{{- printf "%s-models" (include "modelfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{/* Cluster-scoped names (ClusterRoles, the peering object) carry the namespace: two releases of the
+same name in different namespaces must not collide. */}}
+{{- define "modelfleet.clusterName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "modelfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "modelfleet.peeringName" -}}
+{{- include "modelfleet.clusterName" . }}
+{{- end }}
+
+{{- define "modelfleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "modelfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: modelfleet
+{{- end }}
+
+{{/* Selector labels of one component; call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "modelfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "modelfleet.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "modelfleet.componentLabels" -}}
+{{ include "modelfleet.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* repository[:tag][@digest]; call with (dict "image" .Values.images.x "ctx" $). */}}
+{{- define "modelfleet.image" -}}
+{{- $tag := default .ctx.Chart.AppVersion .image.tag }}
+{{- if .image.digest }}
+{{- printf "%s:%s@%s" .image.repository $tag .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "modelfleet.imagePullSecrets" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The container hardening every modelfleet container gets. */}}
+{{- define "modelfleet.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+privileged: false
+capabilities:
+  drop: [ALL]
+{{- end }}
+
+{{- define "modelfleet.controlPlane.secretName" -}}
+{{- if .Values.controlPlane.auth.existingSecret }}
+{{- .Values.controlPlane.auth.existingSecret }}
+{{- else }}
+{{- printf "%s-auth" (include "modelfleet.controlPlane.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "modelfleet.database.secretName" -}}
+{{- if .Values.database.postgresql.existingSecret }}
+{{- .Values.database.postgresql.existingSecret }}
+{{- else }}
+{{- printf "%s-database" (include "modelfleet.controlPlane.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "modelfleet.sqlite.claimName" -}}
+{{- if .Values.database.sqlite.existingClaim }}
+{{- .Values.database.sqlite.existingClaim }}
+{{- else }}
+{{- printf "%s-sqlite" (include "modelfleet.controlPlane.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Namespaces the operator's namespaced permissions apply in: empty list = cluster-wide. */}}
+{{- define "modelfleet.operator.clusterWide" -}}
+{{- if not .Values.operator.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{/* Egress every component needs: DNS and the API server, plus networkPolicy.extraEgress. */}}
+{{- define "modelfleet.networkPolicy.baseEgress" -}}
+# Name resolution.
+- ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+# The Kubernetes API server (its address differs per cluster, so only the port is pinned).
+- ports:
+    {{- range .Values.networkPolicy.apiServerPorts }}
+    - port: {{ . }}
+      protocol: TCP
+    {{- end }}
+{{- with .Values.networkPolicy.extraEgress }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}

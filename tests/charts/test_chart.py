@@ -1,0 +1,367 @@
+"""The Helm chart, rendered by the real helm: lint, schema, Kubernetes validation and what it grants."""
+
+from __future__ import annotations
+
+import filecmp
+from typing import Any
+
+import pytest
+import yaml
+
+from .helm import (
+    CHART,
+    KUBERNETES_VERSIONS,
+    ROOT,
+    by_kind,
+    container_env,
+    helm_binary,
+    render,
+    run_helm,
+    validation_errors,
+)
+
+DIGEST = "sha256:" + "ab" * 32
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "postgresql": {
+        "database": {"type": "postgresql", "postgresql": {"existingSecret": "modelfleet-db"}},
+        "controlPlane": {"replicas": 3},
+    },
+    "postgresql-url": {
+        "database": {"type": "postgresql", "postgresql": {"url": "postgresql://mf:pw@db.example:5432/mf"}},
+    },
+    "without-control-plane": {"controlPlane": {"enabled": False}},
+    "custom-images": {
+        "images": {
+            "controlPlane": {"repository": "registry.example.com/mf/controlplane", "tag": "1.2.3"},
+            "dataplane": {
+                "repository": "registry.example.com/mf/dataplane",
+                "tag": "1.2.3-cu12",
+                "digest": DIGEST,
+            },
+        },
+        "imagePullSecrets": [{"name": "regcred"}],
+        "dataplane": {"imagePullSecrets": ["regcred"]},
+        "operator": {"watchNamespaces": ["team-a", "team-b"]},
+        "modelStore": {"tenantNamespaces": ["team-a", "team-b"], "storageClass": "nfs"},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318"},
+        "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
+    },
+}
+
+# Each bad value, and the words helm's schema error must contain to point the user at the field.
+BAD_VALUES = {
+    "unknown-key": ({"operater": {"replicas": 2}}, "operater"),
+    "bad-digest": ({"images": {"dataplane": {"digest": "sha256:xyz"}}}, "digest"),
+    "zero-replicas": ({"operator": {"replicas": 0}}, "replicas"),
+    "unknown-database": ({"database": {"type": "mysql"}}, "type"),
+    "postgresql-without-url": ({"database": {"type": "postgresql"}}, "postgresql"),
+    "sqlite-two-replicas": ({"controlPlane": {"replicas": 2}}, "replicas"),
+    "root-user": ({"podSecurityContext": {"runAsNonRoot": False}}, "runAsNonRoot"),
+    "short-admin-key": ({"controlPlane": {"auth": {"adminKey": "short"}}}, "adminKey"),
+    "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "watchNamespaces"),
+}
+
+# What the operator may do cluster-wide: (apiGroup, resource, verb). Exactly this, nothing more.
+OPERATOR_WORKLOAD_GRANTS = {
+    *{
+        ("modelfleet.dev", r, v)
+        for r in ("inferencemodels", "modelversions")
+        for v in ("get", "list", "watch", "patch")
+    },
+    *{
+        ("modelfleet.dev", f"{r}/status", v)
+        for r in ("inferencemodels", "modelversions")
+        for v in ("get", "patch")
+    },
+    ("modelfleet.dev", "inferencemodels/finalizers", "update"),
+    ("modelfleet.dev", "modelversions/finalizers", "update"),
+    *{("batch", "jobs", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
+    ("", "pods", "get"),
+    ("", "pods", "list"),
+    *{("", r, v) for r in ("configmaps", "services") for v in ("get", "list", "watch", "create", "patch")},
+    *{("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")},
+    *{
+        ("autoscaling", "horizontalpodautoscalers", v)
+        for v in ("get", "list", "watch", "create", "patch", "delete")
+    },
+    *{("policy", "poddisruptionbudgets", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("", "resourcequotas", v) for v in ("get", "list", "watch")},
+    ("", "events", "create"),
+}
+OPERATOR_FRAMEWORK_GRANTS = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+}
+OPERATOR_CLUSTER_WIDE_GRANTS = {
+    ("", "namespaces", "list"),
+    ("", "namespaces", "watch"),
+    ("kopf.dev", "clusterkopfpeerings", "list"),
+    ("kopf.dev", "clusterkopfpeerings", "watch"),
+    ("kopf.dev", "clusterkopfpeerings", "get"),
+    ("kopf.dev", "clusterkopfpeerings", "patch"),
+}
+CONTROL_PLANE_GRANTS = {
+    *{("", r, v) for r in ("namespaces", "resourcequotas", "secrets") for v in ("get", "create", "patch")},
+    *{
+        ("modelfleet.dev", r, v)
+        for r in ("inferencemodels", "modelversions")
+        for v in ("get", "list", "create", "patch", "delete")
+    },
+}  # fmt: skip
+
+
+def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(value set, Kubernetes version) -> rendered documents; helm runs once per pair."""
+    return {
+        (name, kv): render(values, kube_version=kv)
+        for name, values in VALUE_SETS.items()
+        for kv in KUBERNETES_VERSIONS
+    }
+
+
+def test_helm_is_installed_by_the_setup() -> None:
+    result = run_helm("version", "--short")
+    assert result.returncode == 0 and result.stdout.startswith("v"), result.stderr
+    assert helm_binary().stat().st_mode & 0o111
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_lint_strict(value_set: str) -> None:
+    result = run_helm("lint", "--strict", str(CHART), values=VALUE_SETS[value_set])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("kube_version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_manifest_validates(rendered, value_set: str, kube_version: str) -> None:
+    docs = rendered[(value_set, kube_version)]
+    assert validation_errors(docs, kube_version) == []
+    kinds = {doc["kind"] for doc in docs}
+    assert {"CustomResourceDefinition", "Deployment", "ClusterRole", "NetworkPolicy"} <= kinds
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_schema_rejects_bad_values(case: str) -> None:
+    values, field = BAD_VALUES[case]
+    result = run_helm("template", "mf", str(CHART), values=values)
+    assert result.returncode != 0, f"{case} was accepted"
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert field in result.stderr, result.stderr
+
+
+def test_validation_catches_a_broken_manifest(rendered) -> None:
+    """The validator itself can fail: a misspelt field in a Deployment is reported under --strict."""
+    docs = [dict(doc) for doc in rendered[("defaults", KUBERNETES_VERSIONS[-1])]]
+    deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
+    broken = {**deployment, "spec": {**deployment["spec"], "replica": 2}}
+    assert validation_errors([broken], KUBERNETES_VERSIONS[-1])
+
+
+def test_chart_crds_are_the_generated_ones() -> None:
+    generated = sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+    assert generated, "no CRDs in crds/: run `make crds`"
+    in_chart = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    fix = "run scripts/sync-chart-crds.sh"
+    assert in_chart == sorted([*generated, "kopf-peering.yaml"]), f"chart CRDs differ from crds/: {fix}"
+    _, mismatch, errors = filecmp.cmpfiles(ROOT / "crds", CHART / "crds", generated, shallow=False)
+    assert mismatch == [] and errors == [], f"chart CRDs {mismatch + errors} differ from crds/: {fix}"
+
+
+def test_operator_runs_two_replicas_with_kopf_peering(rendered) -> None:
+    docs = rendered[("defaults", KUBERNETES_VERSIONS[-1])]
+    operator = by_kind(docs, "Deployment")["mf-modelfleet-operator"]
+    assert operator["spec"]["replicas"] == 2
+    env = container_env(operator)
+    peerings = by_kind(docs, "ClusterKopfPeering")
+    assert list(peerings) == [env["MODELFLEET_OPERATOR_PEERING"]]
+    assert env["POD_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["MODELFLEET_OPERATOR_NAMESPACES"] == ""
+    crd_names = set(by_kind(docs, "CustomResourceDefinition"))
+    assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"} <= crd_names
+    assert by_kind(docs, "PodDisruptionBudget")["mf-modelfleet-operator"]["spec"]["maxUnavailable"] == 1
+
+
+def test_operator_gets_dataplane_defaults(rendered) -> None:
+    env = container_env(
+        by_kind(rendered[("custom-images", "1.37.0")], "Deployment")["mf-modelfleet-operator"]
+    )
+    assert env["MODELFLEET_DATAPLANE_IMAGE"] == f"registry.example.com/mf/dataplane:1.2.3-cu12@{DIGEST}"
+    assert env["MODELFLEET_DATAPLANE_IMAGE_PULL_SECRETS"] == "regcred"
+    assert env["MODELFLEET_MODEL_STORE_CLAIM"] == "mf-modelfleet-models"
+    assert env["MODELFLEET_MODEL_STORE_PATH"] == "/models"
+    assert env["MODELFLEET_DATAPLANE_OTLP_ENDPOINT"] == "http://otel-collector.observability:4318"
+    defaults = container_env(
+        by_kind(rendered[("defaults", "1.37.0")], "Deployment")["mf-modelfleet-operator"]
+    )
+    assert defaults["MODELFLEET_DATAPLANE_IMAGE"] == "ghcr.io/modelfleet/dataplane:0.1.0"
+
+
+def test_custom_images_are_used(rendered) -> None:
+    docs = rendered[("custom-images", KUBERNETES_VERSIONS[-1])]
+    for deployment in by_kind(docs, "Deployment").values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == "registry.example.com/mf/controlplane:1.2.3"
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rbac_is_least_privilege(rendered, value_set: str) -> None:
+    docs = rendered[(value_set, KUBERNETES_VERSIONS[-1])]
+    roles = [*by_kind(docs, "ClusterRole").values(), *by_kind(docs, "Role").values()]
+    for role in roles:
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert "*" not in rule.get(field, []), f"wildcard in {role['metadata']['name']}: {rule}"
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+    for binding in [*by_kind(docs, "ClusterRoleBinding").values(), *by_kind(docs, "RoleBinding").values()]:
+        assert binding["roleRef"]["name"] in {r["metadata"]["name"] for r in roles}, (
+            "bound to a role not ours"
+        )
+
+
+def test_operator_grants_exactly_what_it_uses(rendered) -> None:
+    docs = rendered[("defaults", KUBERNETES_VERSIONS[-1])]
+    operator = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
+    expected = OPERATOR_WORKLOAD_GRANTS | OPERATOR_FRAMEWORK_GRANTS | OPERATOR_CLUSTER_WIDE_GRANTS
+    assert grants(operator) == expected
+    # Writes to peering objects are limited to our own.
+    peering_writes = [
+        r for r in operator["rules"] if "patch" in r["verbs"] and "clusterkopfpeerings" in r["resources"]
+    ]
+    assert [r["resourceNames"] for r in peering_writes] == [["modelfleet-system-mf-modelfleet"]]
+    control_plane = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-controlplane"]
+    assert grants(control_plane) == CONTROL_PLANE_GRANTS
+
+
+def test_operator_rbac_is_namespaced_when_namespaces_are_listed(rendered) -> None:
+    docs = rendered[("custom-images", KUBERNETES_VERSIONS[-1])]
+    operator = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
+    assert grants(operator) == OPERATOR_FRAMEWORK_GRANTS
+    roles = [doc for doc in docs if doc["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    peering_grants = {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+    for role in roles:
+        assert grants(role) == OPERATOR_WORKLOAD_GRANTS | peering_grants
+    peerings = [doc for doc in docs if doc["kind"] == "KopfPeering"]
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert not by_kind(docs, "ClusterKopfPeering")
+    env = container_env(by_kind(docs, "Deployment")["mf-modelfleet-operator"])
+    assert env["MODELFLEET_OPERATOR_NAMESPACES"] == "team-a,team-b"
+
+
+def test_every_rbac_rule_says_why() -> None:
+    """Each rule in the RBAC templates sits right below a comment giving its reason."""
+    for template in (CHART / "templates").rglob("rbac.yaml"):
+        lines = template.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if line.lstrip().startswith("- apiGroups:"):
+                previous = lines[number - 1].strip()
+                assert previous.startswith("#"), f"{template.name}:{number + 1}: rule without a comment"
+
+
+def test_control_plane_database(rendered) -> None:
+    sqlite = by_kind(rendered[("defaults", "1.37.0")], "Deployment")["mf-modelfleet-controlplane"]
+    assert container_env(sqlite)["DATABASE_URL"] == "sqlite:////var/lib/modelfleet/controlplane.db"
+    assert sqlite["spec"]["strategy"]["type"] == "Recreate"
+    volumes = {v["name"]: v for v in sqlite["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == "mf-modelfleet-controlplane-sqlite"
+
+    postgres_docs = rendered[("postgresql", "1.37.0")]
+    postgres = by_kind(postgres_docs, "Deployment")["mf-modelfleet-controlplane"]
+    assert postgres["spec"]["replicas"] == 3
+    url = container_env(postgres)["DATABASE_URL"]
+    assert url == {"secretKeyRef": {"name": "modelfleet-db", "key": "DATABASE_URL"}}
+    assert "mf-modelfleet-controlplane-sqlite" not in by_kind(postgres_docs, "PersistentVolumeClaim")
+    assert "mf-modelfleet-controlplane-database" not in by_kind(postgres_docs, "Secret")
+
+    url_docs = rendered[("postgresql-url", "1.37.0")]
+    secret = by_kind(url_docs, "Secret")["mf-modelfleet-controlplane-database"]
+    assert "DATABASE_URL" in secret["data"]
+    egress_ports = {
+        port["port"]
+        for rule in by_kind(url_docs, "NetworkPolicy")["mf-modelfleet-controlplane"]["spec"]["egress"]
+        for port in rule["ports"]
+    }
+    assert 5432 in egress_ports
+
+
+def test_without_control_plane_only_the_operator_is_installed(rendered) -> None:
+    docs = rendered[("without-control-plane", "1.37.0")]
+    components = {doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") for doc in docs}
+    assert "controlplane" not in components
+    assert set(by_kind(docs, "Deployment")) == {"mf-modelfleet-operator"}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pods_are_hardened(rendered, value_set: str) -> None:
+    for deployment in by_kind(rendered[(value_set, "1.37.0")], "Deployment").values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+            assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_model_store_claims(rendered) -> None:
+    docs = rendered[("custom-images", "1.37.0")]
+    claims = [
+        d
+        for d in docs
+        if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "mf-modelfleet-models"
+    ]
+    assert sorted(c["metadata"]["namespace"] for c in claims) == ["modelfleet-system", "team-a", "team-b"]
+    assert {c["spec"]["storageClassName"] for c in claims} == {"nfs"}
+    existing = render({"modelStore": {"existingClaim": "shared-models"}})
+    assert not [
+        d for d in existing if d["kind"] == "PersistentVolumeClaim" and "models" in d["metadata"]["name"]
+    ]
+    env = container_env(by_kind(existing, "Deployment")["mf-modelfleet-operator"])
+    assert env["MODELFLEET_MODEL_STORE_CLAIM"] == "shared-models"
+
+
+def test_service_monitor_is_optional(rendered) -> None:
+    assert not by_kind(rendered[("defaults", "1.37.0")], "ServiceMonitor")
+    monitor = by_kind(rendered[("custom-images", "1.37.0")], "ServiceMonitor")["mf-modelfleet"]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics", "http"}
+
+
+def test_generated_auth_secret_is_random_and_overridable() -> None:
+    first, second = (by_kind(render(), "Secret")["mf-modelfleet-controlplane-auth"] for _ in range(2))
+    assert first["data"]["admin-key"] != second["data"]["admin-key"]
+    given = by_kind(render({"controlPlane": {"auth": {"existingSecret": "my-auth"}}}), "Deployment")
+    admin = container_env(given["mf-modelfleet-controlplane"])["MODELFLEET_ADMIN_KEY"]
+    assert admin == {"secretKeyRef": {"name": "my-auth", "key": "admin-key"}}
+
+
+def test_notes_give_the_next_steps() -> None:
+    result = run_helm("install", "mf", str(CHART), "--dry-run=client", "--namespace", "modelfleet-system")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    for step in (
+        "rollout status deployment/mf-modelfleet-operator",
+        "kubectl -n modelfleet-system apply -f",
+        "patch im",
+    ):
+        assert step in notes
+    manifest = result.stdout.split("NOTES:", 1)[0].split("MANIFEST:", 1)[1]
+    assert {"Deployment", "ClusterKopfPeering"} <= {d["kind"] for d in yaml.safe_load_all(manifest) if d}
