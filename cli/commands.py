@@ -16,6 +16,7 @@ from modelfleet.cli import __version__
 SUBCOMMANDS = {
     "demo": "modelfleet.dataplane.demo.cli",
     "crds": "modelfleet.operator.crdgen",
+    "serve": "modelfleet.dataplane.server.cli",
 }
 
 

@@ -1,0 +1,239 @@
+"""HTTP and WebSocket routes over the DataPlane facade; errors mapped once onto OpenAI's error body."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from modelfleet.dataplane.server import tracing as tr
+from modelfleet.dataplane.server.auth import Principal
+from modelfleet.dataplane.server.dataplane import DataPlane, Generation, RequestContext
+from modelfleet.dataplane.server.errors import BadRequest, ServerError, error_body, validation_message
+from modelfleet.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from pydantic import ValidationError
+
+log = logging.getLogger("modelfleet.server")
+
+VERSION_HEADER = "x-modelfleet-version"
+_UNTRACED_PATHS = ("/health", "/ready", "/metrics")
+
+
+def create_app(dataplane: DataPlane, *, lifespan=None) -> FastAPI:
+    app = FastAPI(title="modelfleet", lifespan=lifespan)
+    app.state.dataplane = dataplane
+    app.add_middleware(HttpSpanMiddleware, tracer=dataplane.tracer)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok, detail = dataplane.readiness()
+        return JSONResponse(detail, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(dataplane.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(_: Caller) -> dict:
+        return dataplane.list_models().model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, caller: Caller) -> Response:
+        generation = await dataplane.completion(body, _context(request, caller))
+        return await _respond(generation, request, stream=body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller) -> Response:
+        generation = await dataplane.chat(body, _context(request, caller))
+        return await _respond(generation, request, stream=body.stream)
+
+    @app.websocket("/v1/stream")
+    async def stream_socket(socket: WebSocket) -> None:
+        await _serve_socket(dataplane, socket)
+
+    return app
+
+
+def _caller(request: Request) -> Principal:
+    keys = request.app.state.dataplane.keys
+    keys.refresh()
+    return keys.authenticate(request.headers.get("authorization"))
+
+
+Caller = Annotated[Principal, Depends(_caller)]
+
+
+def _context(request: Request | WebSocket, caller: Principal) -> RequestContext:
+    return RequestContext(principal=caller, headers={k.lower(): v for k, v in request.headers.items()})
+
+
+async def _respond(generation: Generation, request: Request, *, stream: bool) -> Response:
+    headers = {VERSION_HEADER: generation.version}
+    if not stream:
+        answer = await _until_disconnect(request, generation.response())
+        return JSONResponse(answer.model_dump(mode="json"), headers=headers)
+    chunks = generation.chunks()
+    try:
+        # Wait for the first token before sending headers: a request the engine refuses is still a 4xx.
+        first = await anext(chunks, None)
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
+
+
+async def _sse(first: Any, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
+    try:
+        if first is not None:
+            yield f"data: {first.model_dump_json()}\n\n"
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json()}\n\n"
+    except ServerError as exc:  # failed mid-stream: the status line is gone, so say it in the stream
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def _until_disconnect(request: Request, work):
+    """Run a non-streaming answer, cancelling it (and so aborting the engine request) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return await task
+
+
+async def _serve_socket(dataplane: DataPlane, socket: WebSocket) -> None:
+    """Each JSON message is a completion (`prompt`) or chat (`messages`) request; answers stream back as
+    `{"type": "chunk", ...}` messages between `start` and `done` (or `error`)."""
+    await socket.accept()
+    try:
+        dataplane.keys.refresh()
+        token = socket.headers.get("authorization") or (
+            f"Bearer {socket.query_params['api_key']}" if "api_key" in socket.query_params else None
+        )
+        caller = dataplane.keys.authenticate(token)
+    except ServerError as exc:
+        await socket.send_json({"type": "error", **exc.body()})
+        await socket.close(code=1008)
+        return
+    with contextlib.suppress(WebSocketDisconnect):
+        while True:
+            message = await socket.receive_text()
+            await _socket_request(dataplane, socket, message, caller)
+
+
+async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str, caller: Principal) -> None:
+    with dataplane.tracer.start_as_current_span("WS /v1/stream", kind=SpanKind.SERVER):
+        try:
+            try:
+                data = json.loads(message)
+                if not isinstance(data, dict):
+                    raise BadRequest("request must be a JSON object")
+                ctx = _context(socket, caller)
+                if "messages" in data:
+                    generation = await dataplane.chat(ChatCompletionRequest(**data), ctx)
+                else:
+                    generation = await dataplane.completion(CompletionRequest(**data), ctx)
+            except json.JSONDecodeError:
+                raise BadRequest("request is not valid JSON; send a JSON object") from None
+            except ValidationError as exc:
+                text, param = validation_message(exc.errors())
+                raise BadRequest(text, param=param) from None
+            start = {"type": "start", "id": generation.request_id, "version": generation.version}
+            await socket.send_json(start)
+            chunks = generation.chunks()
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    await socket.send_json({"type": "chunk", **chunk.model_dump(mode="json")})
+            await socket.send_json({"type": "done", "usage": generation.renderer.usage().model_dump()})
+        except ServerError as exc:
+            await socket.send_json({"type": "error", **exc.body()})
+
+
+class HttpSpanMiddleware:
+    """The root span of each HTTP request, continuing a W3C `traceparent` from the client. Plain ASGI, so
+    the span stays open until a streamed body has been sent to the end."""
+
+    def __init__(self, app, tracer: Tracer) -> None:
+        self.app = app
+        self.tracer = tracer
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in _UNTRACED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        carrier = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        parent = tr.PROPAGATOR.extract(carrier)
+        method, path = scope["method"], scope["path"]
+        span = self.tracer.start_span(
+            f"{method} {path}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"http.request.method": method, "url.path": path},
+        )
+        status: list[int] = []
+
+        async def send_with_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+                span.set_attribute("http.response.status_code", message["status"])
+                for name, value in message.get("headers", ()):
+                    if name.decode("latin-1").lower() == VERSION_HEADER:
+                        span.set_attribute(tr.VERSION, value.decode("latin-1"))
+            await send(message)
+
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                await self.app(scope, receive, send_with_status)
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            if status and status[0] >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServerError)
+    async def server_error(request: Request, exc: ServerError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        body = error_body(message, type_="invalid_request_error", param=param, code="invalid_request")
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path)
+        message = f"internal error: {type(exc).__name__}"
+        body = error_body(message, type_="server_error", code="internal_error")
+        return JSONResponse(body, status_code=500)

@@ -1,0 +1,134 @@
+"""The edge between the server and the engine: sampling parameters in, choice events out.
+
+OpenAI's `n` and batched prompts become several engine requests (the engine takes n=1), whose outputs
+are merged into one stream of `ChoiceEvent`s; closing that stream aborts every engine request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from modelfleet.dataplane.sampling_params import SamplingParams
+from modelfleet.dataplane.server.errors import BadRequest
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    index: int
+    new_text: str = ""
+    new_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[dict[int, float], ...] | None = None  # one per new token
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """OpenAI request fields -> engine SamplingParams (defaults as OpenAI documents them)."""
+    values: dict[str, Any] = {
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "seed": request.seed,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "stop": list(request.stop or []),
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "ignore_eos": request.ignore_eos,
+    }
+    if request.top_k is not None:
+        values["top_k"] = request.top_k
+    if request.min_p is not None:
+        values["min_p"] = request.min_p
+    if request.repetition_penalty is not None:
+        values["repetition_penalty"] = request.repetition_penalty
+    return SamplingParams(**values)
+
+
+def engine_max_model_len(engine: Any) -> int | None:
+    """The engine's context length, wherever this engine keeps it."""
+    for owner in (engine, getattr(engine, "engine", None), getattr(engine, "config", None)):
+        value = getattr(owner, "max_model_len", None) if owner is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _event(index: int, output: Any) -> ChoiceEvent:
+    new_ids = tuple(output.new_token_ids or ())
+    logprobs = None
+    if output.logprobs is not None:
+        tail = list(output.logprobs[len(output.logprobs) - len(new_ids) :]) if new_ids else []
+        logprobs = tuple(tail)
+    return ChoiceEvent(
+        index=index,
+        new_text=output.new_text or "",
+        new_token_ids=new_ids,
+        logprobs=logprobs,
+        finish_reason=output.finish_reason if output.finished else None,
+        error=getattr(output, "error", None),
+    )
+
+
+async def _one(engine: Any, index: int, prompt: list[int], params: SamplingParams, request_id: str):
+    try:
+        stream = engine.generate(prompt, params, request_id=request_id)
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                yield _event(index, output)
+    except ValueError as exc:  # the engine refused the request before any output
+        raise BadRequest(str(exc)) from None
+
+
+async def merged_events(
+    engine: Any, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
+) -> AsyncIterator[ChoiceEvent]:
+    """Events of all choices (index = prompt_index * n + sample_index), in arrival order."""
+    subs = []
+    for p_index, prompt in enumerate(prompts):
+        for s_index in range(n):
+            sub_params = params
+            if n > 1 and params.seed is not None:
+                # Same seed for every sample would give n identical answers.
+                sub_params = dataclasses.replace(params, seed=params.seed + s_index)
+            subs.append((p_index * n + s_index, prompt, sub_params))
+    if len(subs) == 1:
+        index, prompt, sub_params = subs[0]
+        async with contextlib.aclosing(_one(engine, index, prompt, sub_params, request_id)) as stream:
+            async for event in stream:
+                yield event
+        return
+
+    queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, prompt: list[int], sub_params: SamplingParams) -> None:
+        try:
+            async with contextlib.aclosing(
+                _one(engine, index, prompt, sub_params, f"{request_id}-{index}")
+            ) as s:
+                async for event in s:
+                    queue.put_nowait(event)
+        except Exception as exc:
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(*sub)) for sub in subs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

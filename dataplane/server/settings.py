@@ -1,0 +1,43 @@
+"""Server settings: one pydantic-settings class, environment prefix MODELFLEET_."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MODELFLEET_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, le=65535)
+    manifest: Path | None = None
+    manifest_poll_seconds: float = Field(
+        default=1.0, gt=0, description="how often the manifest file is checked"
+    )
+
+    # Model manager: bytes of loaded versions (weights + KV cache); 0 means no budget.
+    memory_budget_bytes: int = Field(default=0, ge=0)
+    idle_unload_seconds: float = Field(default=0.0, ge=0, description="0 keeps idle versions loaded")
+    load_retry_seconds: float = Field(default=30.0, ge=0, description="how long a failed load is not retried")
+
+    # Auth and limits: a file of sha256 hex digests of the API keys, or JSON with per-key limits.
+    api_key_file: Path | None = None
+    default_tokens_per_minute: int = Field(default=0, ge=0, description="per key; 0 means unlimited")
+    default_max_concurrent: int = Field(default=0, ge=0, description="per key; 0 means unlimited")
+
+    # Admission: requests beyond `max_running` wait in a queue of at most `max_waiting`; past it, 429.
+    max_running: int = Field(default=64, ge=1)
+    max_waiting: int = Field(default=256, ge=0)
+
+    # Request limits (the engine's max model length applies too).
+    max_prompt_tokens: int = Field(default=0, ge=0, description="0 means the model's limit")
+    max_tokens_limit: int = Field(default=4096, ge=1)
+    max_n: int = Field(default=8, ge=1)
+    default_max_tokens: int = Field(default=16, ge=1)
+    max_logprobs: int = Field(default=20, ge=0)
+
+    # Shadow copies run in the background; past this many at once they are dropped, never queued.
+    max_shadow_in_flight: int = Field(default=16, ge=0)

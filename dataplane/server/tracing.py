@@ -1,0 +1,68 @@
+"""OpenTelemetry tracing: a tracer from the standard OTEL_* variables, W3C traceparent propagation, and
+the GenAI semantic-convention attribute names used on the request spans."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.trace import Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+TRACER_NAME = "modelfleet.dataplane.server"
+PROPAGATOR = TraceContextTextMapPropagator()
+
+# GenAI semantic conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/).
+OPERATION = "gen_ai.operation.name"
+PROVIDER = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+RESPONSE_MODEL = "gen_ai.response.model"
+RESPONSE_ID = "gen_ai.response.id"
+MAX_TOKENS = "gen_ai.request.max_tokens"
+TEMPERATURE = "gen_ai.request.temperature"
+TOP_P = "gen_ai.request.top_p"
+SEED = "gen_ai.request.seed"
+CHOICE_COUNT = "gen_ai.request.choice.count"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+VERSION = "modelfleet.version"
+ROUTE_REASON = "modelfleet.route.reason"
+
+
+def tracer_from_env(service_name: str = "modelfleet-server") -> Tracer:
+    """A tracer exporting where the OTEL_* variables say; with none set, spans are made but not sent.
+
+    OTEL_TRACES_EXPORTER=otlp (or any OTEL_EXPORTER_OTLP_*ENDPOINT) -> OTLP over HTTP, which reads its
+    own OTEL_EXPORTER_OTLP_* settings; `console` -> stdout; `none` -> nothing.
+    """
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    has_endpoint = any(
+        os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
+    provider = TracerProvider(resource=resource)
+    if exporter_name == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif exporter_name == "otlp" or (has_endpoint and exporter_name != "none"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider.get_tracer(TRACER_NAME)
+
+
+def tracer_from_provider(provider: trace.TracerProvider) -> Tracer:
+    return provider.get_tracer(TRACER_NAME)
+
+
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+
+def monotonic_to_ns(t: float) -> int:
+    """A time.monotonic() reading (the engine's timestamps) as epoch nanoseconds for span times."""
+    return int(t * 1e9) + _EPOCH_OFFSET_NS

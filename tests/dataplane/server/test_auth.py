@@ -1,0 +1,165 @@
+"""API keys, per-key limits and the bounded admission queue (no HTTP, no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from modelfleet.dataplane.server.admission import AdmissionQueue
+from modelfleet.dataplane.server.auth import (
+    KeyFileError,
+    KeyLimits,
+    KeyStore,
+    Principal,
+    RateLimiter,
+    hash_key,
+)
+from modelfleet.dataplane.server.errors import RateLimited, Unauthorized
+
+
+def test_plain_key_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(
+        f"# team keys\n{hash_key('sk-one')}\n\n{hash_key('sk-two').upper()}  # upper case is fine\n"
+    )
+    store = KeyStore(path)
+    assert not store.open
+    assert store.authenticate("Bearer sk-one").key_id == hash_key("sk-one")[:12]
+    assert store.authenticate("bearer sk-two").key_id == hash_key("sk-two")[:12]
+    for header, reason in [
+        (None, "missing API key"),
+        ("Bearer sk-three", "invalid API key"),
+        ("Basic x", "malformed"),
+    ]:
+        with pytest.raises(Unauthorized, match=reason):
+            store.authenticate(header)
+
+
+def test_json_key_file_with_limits(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(
+        json.dumps(
+            [{"sha256": hash_key("sk-a"), "name": "team-a", "tokens_per_minute": 100, "max_concurrent": 2}]
+        )
+    )
+    principal = KeyStore(path).authenticate("Bearer sk-a")
+    assert principal == Principal(key_id="team-a", limits=KeyLimits(tokens_per_minute=100, max_concurrent=2))
+    path.write_text(json.dumps({hash_key("sk-b"): {"max_concurrent": 1}}))
+    assert KeyStore(path, KeyLimits(tokens_per_minute=7)).authenticate("Bearer sk-b").limits == KeyLimits(
+        7, 1
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("sk-plaintext-key\n", "line 1: expected a sha256 hex digest"),
+        ('[{"sha256": "abc"}]', "entry 0: 'sha256' must be a sha256 hex digest"),
+        ("[{bad json", "not valid JSON at line 1"),
+        (json.dumps([{"sha256": "a" * 64, "max_concurrent": "many"}]), "must be integers"),
+    ],
+)
+def test_bad_key_file_is_one_line(tmp_path, text, message):
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(KeyFileError, match=message) as info:
+        KeyStore(path)
+    assert "\n" not in str(info.value)
+    assert "sk-plaintext-key" not in str(info.value)
+
+
+def test_no_key_file_is_open():
+    store = KeyStore(None)
+    assert store.open
+    assert store.authenticate(None).key_id == "anonymous"
+
+
+def test_key_file_is_reread_when_it_changes(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(hash_key("sk-old") + "\n")
+    store = KeyStore(path)
+    path.write_text(hash_key("sk-new") + "\n" + "0" * 64 + "\n")
+    store.refresh()
+    assert store.authenticate("Bearer sk-new")
+    with pytest.raises(Unauthorized):
+        store.authenticate("Bearer sk-old")
+    path.write_text("garbage\n")  # a bad rewrite keeps the last good keys
+    store.refresh()
+    assert store.authenticate("Bearer sk-new")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_rate_limit_refills_over_time():
+    clock = FakeClock()
+    limiter = RateLimiter(clock=clock)
+    who = Principal("k", KeyLimits(tokens_per_minute=60))  # one token per second
+    limiter.acquire(who)
+    limiter.charge(who, 90)  # a large request overdraws the bucket by 30
+    limiter.release(who)
+    with pytest.raises(RateLimited) as info:
+        limiter.acquire(who)
+    assert info.value.status == 429
+    assert info.value.headers["Retry-After"] == "31"
+    clock.now += 31
+    limiter.acquire(who)
+
+
+def test_concurrency_cap():
+    limiter = RateLimiter(clock=FakeClock())
+    who = Principal("k", KeyLimits(max_concurrent=2))
+    limiter.acquire(who)
+    limiter.acquire(who)
+    with pytest.raises(RateLimited, match="2 requests in flight") as info:
+        limiter.acquire(who)
+    assert info.value.headers["Retry-After"] == "1"
+    limiter.release(who)
+    limiter.acquire(who)
+    other = Principal("other", KeyLimits(max_concurrent=2))
+    limiter.acquire(other)  # limits are per key
+
+
+async def test_admission_queue_is_bounded():
+    queue = AdmissionQueue(max_running=1, max_waiting=1)
+    release = asyncio.Event()
+    order = []
+
+    async def job(name: str) -> None:
+        async with queue.admit():
+            order.append(name)
+            await release.wait()
+
+    first = asyncio.create_task(job("first"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(job("second"))
+    await asyncio.sleep(0)
+    assert (queue.running, queue.waiting) == (1, 1)
+    with pytest.raises(RateLimited, match="queue limit 1") as info:
+        async with queue.admit():
+            pass
+    assert info.value.code == "queue_full"
+    release.set()
+    await asyncio.gather(first, second)
+    assert order == ["first", "second"]
+    assert (queue.running, queue.waiting) == (0, 0)
+
+
+async def test_cancelled_waiter_leaves_the_queue():
+    queue = AdmissionQueue(max_running=1, max_waiting=4)
+    async with queue.admit():
+        waiter = asyncio.create_task(queue.admit().__aenter__())
+        await asyncio.sleep(0)
+        assert queue.waiting == 1
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert queue.waiting == 0
+    async with queue.admit():
+        assert queue.running == 1

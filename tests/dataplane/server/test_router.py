@@ -1,0 +1,137 @@
+"""The A/B router: pure functions, checked statistically and for consistent-hashing movement."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from modelfleet.dataplane.manifest import Routing, ServedModel, ServedVersion
+from modelfleet.dataplane.server.router import (
+    RouteError,
+    RoutingTable,
+    route,
+    split_model_field,
+    sticky_choice,
+    sticky_key,
+)
+
+
+def table(
+    weights: dict[str, int], *, sticky: str = "none", shadow: dict[str, int] | None = None
+) -> RoutingTable:
+    shadow = shadow or {}
+    versions = [
+        ServedVersion(name=name, weight=w, artifact=f"/m/{name}", shadow_percent=shadow.get(name, 0))
+        for name, w in weights.items()
+    ]
+    return RoutingTable.from_model(
+        ServedModel(name="chat", versions=versions, routing=Routing(stickyBy=sticky))
+    )
+
+
+def within(count: int, n: int, p: float, sigmas: float = 4.5) -> bool:
+    """Binomial count within `sigmas` standard deviations of n*p (fails by chance ~1e-5)."""
+    return abs(count - n * p) <= sigmas * math.sqrt(n * p * (1 - p))
+
+
+def test_split_model_field():
+    assert split_model_field("chat") == ("chat", None)
+    assert split_model_field("chat@v2") == ("chat", "v2")
+    assert split_model_field("org/chat@v2") == ("org/chat", "v2")
+
+
+@pytest.mark.parametrize("weights", [{"a": 50, "b": 50}, {"a": 90, "b": 10}, {"a": 20, "b": 30, "c": 50}])
+def test_weighted_split_matches_weights(weights):
+    n = 5000
+    rng = random.Random()  # unseeded on purpose: the bounds must hold for any run
+    counts = Counter(route(table(weights), rng=rng).version for _ in range(n))
+    for name, w in weights.items():
+        assert within(counts[name], n, w / 100), (name, counts)
+
+
+def test_zero_weight_version_gets_no_traffic_but_can_be_pinned():
+    t = table({"a": 100, "b": 0})
+    assert {route(t).version for _ in range(2000)} == {"a"}
+    decision = route(t, pinned="b")
+    assert (decision.version, decision.reason) == ("b", "pin")
+
+
+def test_all_zero_weights_refuse_unless_pinned():
+    t = table({"a": 0, "b": 0})
+    with pytest.raises(RouteError) as info:
+        route(t)
+    assert info.value.status == 503
+    assert "pin one with 'model@version'" in str(info.value)
+    assert route(t, pinned="a").version == "a"
+
+
+def test_unknown_pin_is_404_listing_versions():
+    with pytest.raises(RouteError, match="no version 'zz'; known versions: a, b") as info:
+        route(table({"a": 50, "b": 50}), pinned="zz")
+    assert info.value.status == 404
+
+
+def test_sticky_key_is_stable_and_split_by_weight():
+    t = table({"a": 70, "b": 30}, sticky="user")
+    keys = [f"user-{i}" for i in range(4000)]
+    first = {k: route(t, key=k).version for k in keys}
+    assert all(route(t, key=k, rng=random.Random(i)).version == first[k] for i, k in enumerate(keys[:500]))
+    assert all(route(t, key=k).reason == "sticky" for k in keys[:10])
+    assert within(sum(v == "a" for v in first.values()), len(keys), 0.7)
+
+
+def moved_fraction(before: RoutingTable, after: RoutingTable, keys: list[str]) -> tuple[float, Counter]:
+    moves = Counter()
+    for k in keys:
+        old, new = sticky_choice(before, k), sticky_choice(after, k)
+        if old != new:
+            moves[(old, new)] += 1
+    return sum(moves.values()) / len(keys), moves
+
+
+def test_weight_change_moves_only_the_needed_keys_between_two_versions():
+    keys = [f"session-{i}" for i in range(10000)]
+    fraction, moves = moved_fraction(table({"a": 50, "b": 50}), table({"a": 60, "b": 40}), keys)
+    # The minimum possible is the weight difference (10%); every move goes from b to a.
+    assert set(moves) == {("b", "a")}
+    assert abs(fraction - 0.10) < 0.015
+
+
+def test_weight_change_with_three_versions_moves_few_keys():
+    keys = [f"k{i}" for i in range(10000)]
+    fraction, moves = moved_fraction(
+        table({"a": 40, "b": 30, "c": 30}), table({"a": 40, "b": 40, "c": 20}), keys
+    )
+    # Minimum is 10% (c -> b). Rendezvous hashing moves ~13.5%, far below a re-shuffle (~66%); no key
+    # moves to the version that shrank, and none leaves the one that grew.
+    assert 0.09 < fraction < 0.16, fraction
+    assert all(new != "c" and old != "b" for (old, new) in moves)
+
+
+def test_adding_a_canary_only_takes_keys_for_itself():
+    keys = [f"k{i}" for i in range(10000)]
+    _, moves = moved_fraction(table({"a": 100, "b": 0}), table({"a": 95, "b": 5}), keys)
+    assert set(moves) == {("a", "b")}
+    assert within(moves[("a", "b")], len(keys), 0.05)
+
+
+def test_sticky_key_sources():
+    by_user = table({"a": 100}, sticky="user")
+    by_header = table({"a": 100}, sticky="header:X-Session-Id")
+    plain = table({"a": 100})
+    assert sticky_key(by_user, user="alice", headers={}) == "alice"
+    assert sticky_key(by_user, user=None, headers={}) is None
+    assert sticky_key(by_header, user="alice", headers={"x-session-id": "s1"}) == "s1"
+    assert sticky_key(by_header, user="alice", headers={}) is None
+    assert sticky_key(plain, user="alice", headers={"x-session-id": "s1"}) is None
+
+
+def test_shadow_share_and_never_to_the_primary():
+    t = table({"a": 100, "b": 0}, shadow={"b": 20})
+    n = 5000
+    decisions = [route(t) for _ in range(n)]
+    assert within(sum("b" in d.shadows for d in decisions), n, 0.2)
+    pinned = [route(t, pinned="b") for _ in range(200)]
+    assert all(d.shadows == () for d in pinned)
