@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 from typing import Any
 
+import celpy
 import pytest
 import yaml
 
@@ -104,13 +105,14 @@ OPERATOR_CLUSTER_WIDE_GRANTS = {
     ("kopf.dev", "clusterkopfpeerings", "patch"),
 }
 CONTROL_PLANE_GRANTS = {
-    *{("", r, v) for r in ("namespaces", "resourcequotas", "secrets") for v in ("get", "create", "patch")},
+    *{("", "namespaces", v) for v in ("create", "patch", "delete")},
+    *{("", r, v) for r in ("resourcequotas", "secrets") for v in ("create", "patch")},
     *{
         ("modelfleet.dev", r, v)
         for r in ("inferencemodels", "modelversions")
         for v in ("get", "list", "create", "patch", "delete")
     },
-}  # fmt: skip
+}
 
 
 def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
@@ -365,3 +367,48 @@ def test_notes_give_the_next_steps() -> None:
         assert step in notes
     manifest = result.stdout.split("NOTES:", 1)[0].split("MANIFEST:", 1)[1]
     assert {"Deployment", "ClusterKopfPeering"} <= {d["kind"] for d in yaml.safe_load_all(manifest) if d}
+
+
+def admission_allows(policy: dict[str, Any], operation: str, old: dict | None, new: dict | None) -> bool:
+    """Evaluates the policy's CEL validations the way the API server does for one request."""
+    env = celpy.Environment()
+    variables = {
+        v["name"]: env.program(env.compile(v["expression"])).evaluate(celpy.json_to_cel({}))
+        for v in policy["spec"].get("variables", [])
+    }
+    activation = celpy.json_to_cel(
+        {"request": {"operation": operation}, "oldObject": old, "object": new, "variables": variables}
+    )
+    return all(
+        bool(env.program(env.compile(rule["expression"])).evaluate(activation))
+        for rule in policy["spec"]["validations"]
+    )
+
+
+def test_control_plane_may_only_touch_what_it_created(rendered) -> None:
+    docs = rendered[("defaults", "1.37.0")]
+    policy = by_kind(docs, "ValidatingAdmissionPolicy")["modelfleet-system-mf-modelfleet-controlplane"]
+    binding = by_kind(docs, "ValidatingAdmissionPolicyBinding")[
+        "modelfleet-system-mf-modelfleet-controlplane"
+    ]
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    (condition,) = policy["spec"]["matchConditions"]
+    assert "system:serviceaccount:modelfleet-system:mf-modelfleet-controlplane" in condition["expression"]
+    covered = policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"]
+    assert sorted(covered) == ["namespaces", "resourcequotas", "secrets"]
+
+    ours = {
+        "metadata": {"name": "team-a", "labels": {"app.kubernetes.io/managed-by": "modelfleet-controlplane"}}
+    }
+    theirs = {"metadata": {"name": "kube-system", "labels": {"kubernetes.io/metadata.name": "kube-system"}}}
+    unlabelled = {"metadata": {"name": "default"}}
+    assert admission_allows(policy, "CREATE", None, ours)
+    assert admission_allows(policy, "UPDATE", ours, ours)
+    assert admission_allows(policy, "DELETE", ours, None)
+    assert not admission_allows(policy, "CREATE", None, unlabelled)
+    assert not admission_allows(policy, "DELETE", theirs, None)
+    assert not admission_allows(policy, "DELETE", unlabelled, None)
+    assert not admission_allows(policy, "UPDATE", theirs, {**theirs, **ours})  # taking over is refused
+    assert not by_kind(
+        render({"controlPlane": {"admissionPolicy": {"enabled": False}}}), "ValidatingAdmissionPolicy"
+    )
