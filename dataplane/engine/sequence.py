@@ -56,6 +56,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        # The sampler's random generator for a request with a seed (opaque here: no torch in this module).
+        self.generator: object | None = None
 
     @property
     def num_tokens(self) -> int:

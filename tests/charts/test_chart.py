@@ -72,24 +72,16 @@ OPERATOR_WORKLOAD_GRANTS = {
         for r in ("inferencemodels", "modelversions")
         for v in ("get", "list", "watch", "patch")
     },
-    *{
-        ("modelfleet.dev", f"{r}/status", v)
-        for r in ("inferencemodels", "modelversions")
-        for v in ("get", "patch")
-    },
+    ("modelfleet.dev", "inferencemodels/status", "patch"),
+    ("modelfleet.dev", "modelversions/status", "patch"),
     ("modelfleet.dev", "inferencemodels/finalizers", "update"),
     ("modelfleet.dev", "modelversions/finalizers", "update"),
-    *{("batch", "jobs", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
-    ("", "pods", "get"),
+    *{("batch", "jobs", v) for v in ("list", "watch", "create", "patch")},
     ("", "pods", "list"),
-    *{("", r, v) for r in ("configmaps", "services") for v in ("get", "list", "watch", "create", "patch")},
+    *{("", r, v) for r in ("configmaps", "services") for v in ("create", "patch")},
     *{("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")},
-    *{
-        ("autoscaling", "horizontalpodautoscalers", v)
-        for v in ("get", "list", "watch", "create", "patch", "delete")
-    },
-    *{("policy", "poddisruptionbudgets", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
-    *{("", "resourcequotas", v) for v in ("get", "list", "watch")},
+    *{("autoscaling", "horizontalpodautoscalers", v) for v in ("create", "patch", "delete")},
+    *{("policy", "poddisruptionbudgets", v) for v in ("create", "patch", "delete")},
     ("", "events", "create"),
 }
 OPERATOR_FRAMEWORK_GRANTS = {
@@ -412,3 +404,26 @@ def test_control_plane_may_only_touch_what_it_created(rendered) -> None:
     assert not by_kind(
         render({"controlPlane": {"admissionPolicy": {"enabled": False}}}), "ValidatingAdmissionPolicy"
     )
+
+
+def test_env_names_are_settings_the_components_read(rendered) -> None:
+    """Every MODELFLEET_* variable the chart sets is a field of the component's settings (no typo
+    silently ignored), and the Secret names agree with the control plane's."""
+    from modelfleet.controlplane import resources
+    from modelfleet.controlplane.core.config import Settings
+    from modelfleet.operator.settings import OperatorSettings
+
+    deployments = by_kind(rendered[("postgresql", "1.37.0")], "Deployment")
+    for name, settings in (("operator", OperatorSettings), ("controlplane", Settings)):
+        read = {f"MODELFLEET_{field.upper()}" for field in settings.model_fields}
+        for field in settings.model_fields.values():
+            aliases = getattr(field.validation_alias, "choices", [])
+            read |= {alias for alias in aliases if isinstance(alias, str) and alias.isupper()}
+        env = container_env(deployments[f"mf-modelfleet-{name}"])
+        ours = {key for key in env if key.startswith("MODELFLEET_") or key == "DATABASE_URL"}
+        assert ours - read == set(), f"{name}: variables its settings do not read"
+    operator_env = container_env(deployments["mf-modelfleet-operator"])
+    assert operator_env["MODELFLEET_DATAPLANE_API_KEYS_SECRET"] == resources.KEYS_SECRET
+    operator = {f"MODELFLEET_{field.upper()}" for field in OperatorSettings.model_fields}
+    must_set = {"MODELFLEET_OPERATOR_PEERING", "MODELFLEET_DATAPLANE_IMAGE", "MODELFLEET_MODEL_STORE_CLAIM"}
+    assert must_set <= operator & set(operator_env)

@@ -1,0 +1,233 @@
+"""The engine loop: add requests, step (schedule -> run the model -> post-process), abort."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelfleet.dataplane.config import EngineConfig, check_prefill_fits
+from modelfleet.dataplane.engine.block_manager import BlockManager
+from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
+from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.scheduler import Scheduler
+from modelfleet.dataplane.engine.sequence import Sequence
+from modelfleet.dataplane.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_reported_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = field(default=None)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from modelfleet.dataplane.engine.model_runner import ModelRunner
+        from modelfleet.dataplane.models.config import ModelConfig
+
+        self.config = config
+        model_config = ModelConfig.from_dir(config.model)
+        model_max = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's maximum length {model_max}"
+            )
+        max_model_len = config.max_model_len or model_max
+        if not config.enable_chunked_prefill:
+            check_prefill_fits(config.max_num_batched_tokens, max_model_len)
+
+        self.tokenizer = _load_tokenizer(AutoTokenizer, config.model)
+        # Encoding from several threads at once trips the fast tokenizer's internal borrow checks.
+        self._tokenizer_lock = threading.Lock()
+        self.runner = ModelRunner(config, max_model_len)
+        self.model_config = self.runner.model_config
+        cache_tokens = self.runner.num_blocks * config.block_size
+        if cache_tokens < max_model_len:
+            logger.warning(
+                "max_model_len lowered from %d to %d: the KV cache holds no more tokens", max_model_len, cache_tokens
+            )
+            max_model_len = cache_tokens
+        self.max_model_len = max_model_len
+        eos = set(self.model_config.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self._requests: dict[str, _RequestState] = {}
+
+    @classmethod
+    def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
+            with self._tokenizer_lock:
+                return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """Checks a request before it joins any batch; returns its prompt tokens and parameters."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, str | list | tuple):
+            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt: is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
+                f"{self.max_model_len} tokens (prompt plus output); shorten the prompt"
+            )
+        return token_ids, params
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        arrival_time: float | None = None,
+        validated: tuple[list[int], SamplingParams] | None = None,
+    ) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: {priority!r} must be an integer (lower runs first)")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        token_ids, params = validated or self.validate(prompt, params)
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=arrival_time,
+        )
+        self.scheduler.add(seq)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self._requests[request_id] = _RequestState(
+            seq, detokenizer, logprobs=[] if params.logprobs is not None else None
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request now and frees its KV blocks; returns its last output (None if unknown)."""
+        seq = self.scheduler.finish(request_id, "abort")
+        state = self._requests.pop(request_id, None)
+        if seq is None or state is None:
+            return None
+        return self._make_output(state, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        if not self.scheduler.has_unfinished():
+            return []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+
+        outputs: list[RequestOutput] = []
+        failed = []
+        for item, error in zip(scheduled.scheduled, result.errors, strict=True):
+            if error is not None:
+                failed.append((item.seq.request_id, error))
+        token_ids = [None if e is not None else t for t, e in zip(result.token_ids, result.errors, strict=True)]
+        logprobs_by_id = {
+            item.seq.request_id: lp for item, lp in zip(scheduled.scheduled, result.logprobs, strict=True)
+        }
+        for seq in self.scheduler.update(scheduled, token_ids):
+            state = self._requests[seq.request_id]
+            if state.logprobs is not None:
+                state.logprobs.append(logprobs_by_id[seq.request_id] or {})
+            outputs.append(self._post_process(state))
+        for request_id, error in failed:
+            self.scheduler.finish(request_id, "error", error=error)
+            state = self._requests.pop(request_id)
+            logger.warning("request %s failed: %s", request_id, error)
+            outputs.append(self._make_output(state, [], ""))
+        return outputs
+
+    def _post_process(self, state: _RequestState) -> RequestOutput:
+        seq = state.seq
+        new_token_ids = seq.output_token_ids[state.num_reported_tokens :]
+        new_text, stopped = state.detokenizer.add_tokens(new_token_ids, finished=seq.is_finished)
+        if stopped and not seq.is_finished:
+            self.scheduler.finish(seq.request_id, "stop")
+        output = self._make_output(state, new_token_ids, new_text)
+        if seq.is_finished:
+            del self._requests[seq.request_id]
+        return output
+
+    def _make_output(self, state: _RequestState, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        seq = state.seq
+        state.text += new_text
+        state.num_reported_tokens += len(new_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=state.text,
+            token_ids=list(seq.output_token_ids),
+            new_text=new_text,
+            new_token_ids=list(new_token_ids),
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            finished=seq.is_finished,
+            error=seq.error,
+            num_cached_tokens=seq.num_cached_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finished_time=seq.finished_time,
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def _load_tokenizer(auto_tokenizer: Any, model_dir: str) -> Any:
+    """The checkpoint's tokenizer, or None for a checkpoint without one (token ids in and out only)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(model_dir) / name).exists() for name in names):
+        logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", model_dir)
+        return None
+    return auto_tokenizer.from_pretrained(model_dir)

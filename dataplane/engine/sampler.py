@@ -1,0 +1,156 @@
+"""Turns the last-position logits of a step into next tokens (and log-probabilities), one row per request.
+
+Each row is processed from its own parameters only, and a request with a seed draws its noise from its
+own generator, so its tokens do not depend on what else is in the batch. A row whose logits are NaN
+fails that request alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from modelfleet.dataplane.engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} for the top-N plus the chosen token, or None when not asked for.
+    logprobs: list[dict[int, float] | None]
+    # Per row: None, or why the request failed.
+    errors: list[str | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        # Noise for requests without a seed of their own.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: float32 [N, vocab], row i for seqs[i]."""
+        num_rows = logits.shape[0]
+        params = [s.params for s in seqs]
+        errors: list[str | None] = [None] * num_rows
+        bad_rows = torch.isnan(logits).any(dim=1)
+        if bool(bad_rows.any()):
+            for i in bad_rows.nonzero().flatten().tolist():
+                errors[i] = "the model produced NaN logits"
+            logits = logits.masked_fill(bad_rows.unsqueeze(1), 0.0)
+
+        # Log-probabilities are reported for the model's own distribution, before any sampling setting.
+        num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
+
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, seqs)
+
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, seqs, greedy)
+
+        token_list = token_ids.tolist()
+        logprob_dicts: list[dict[int, float] | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            logprob_dicts = _gather_logprobs(raw_logprobs, token_ids, params, num_logprobs)
+        return SamplerOutput(token_ids=token_list, logprobs=logprob_dicts, errors=errors)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
+        logits = logits / temperature.to(device=device, dtype=logits.dtype).unsqueeze(1)
+
+        if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
+            logits = _apply_top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+
+        # Sampling by argmax(p / E) with E ~ Exponential(1) draws from p (the exponential race).
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None and not greedy[i]:
+                noise[i].exponential_(generator=_request_generator(seq, device))
+        sampled = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            greedy_mask = torch.tensor(greedy, device=device)
+            sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty (Hugging Face's: over prompt and output) and OpenAI's presence and frequency
+    penalties (over the output only), for the rows that set them."""
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    device = logits.device
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if not p.has_penalties:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(seq.token_ids, device=device, dtype=torch.long).unique()
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+            out = torch.tensor(seq.output_token_ids, device=device, dtype=torch.long)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+    vocab = logits.shape[1]
+    device = logits.device
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k_enabled else vocab for p in params], device=device)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    remove = ranks >= top_k.unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= mass_before >= top_p.unsqueeze(1)
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    generator = seq.generator
+    if not isinstance(generator, torch.Generator):
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seq.params.seed)
+        seq.generator = generator
+    return generator
+
+
+def _gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, params: list, num_logprobs: int
+) -> list[dict[int, float] | None]:
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = (
+        logprobs.topk(num_logprobs, dim=-1) if num_logprobs > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    )
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    token_list = token_ids.tolist()
+    result: list[dict[int, float] | None] = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            result.append(None)
+            continue
+        entry = dict(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs], strict=True))
+        entry[token_list[i]] = chosen[i]
+        result.append(entry)
+    return result
