@@ -1,0 +1,201 @@
+"""Kernel benchmark: Triton paged decode attention against the device's copy bandwidth and the torch
+backend, in the same run; plus the prefill kernel and the small fused ops against their torch versions.
+
+Prints one JSON line. Needs a CUDA GPU with Triton. Each timed call reads a different KV cache (several
+are rotated), so the numbers are not served from the L2 cache.
+    python bench/kernels.py [--dtype bfloat16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+# (name, query heads, KV heads, head dim): the attention shapes of Llama-3.2-1B and Llama-3-8B
+SHAPES = [("llama-1b", 32, 8, 64), ("llama-8b", 32, 8, 128)]
+DECODE_CASES = [(1, 32768), (8, 8192), (64, 2048), (256, 512)]  # (batch, context)
+PREFILL_CASES = [(4, 2048)]  # (batch, prompt length), no cached context
+BLOCK_SIZE = 16
+ROTATE_BYTES = 1 << 30  # rotate inputs until the set read by consecutive calls exceeds the L2 many times
+
+
+def median_us(fn, inputs: list) -> float:
+    from triton.testing import do_bench
+
+    cycle = itertools.cycle(inputs)
+    return 1000 * do_bench(lambda: fn(next(cycle)), warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    us = median_us(lambda _: dst.copy_(src), [None])
+    return 2 * src.numel() / us / 1e3  # bytes read + written
+
+
+def kv_bytes(batch) -> int:
+    per_token = 2 * batch.kv_cache.shape[3] * batch.kv_cache.shape[4] * batch.kv_cache.element_size()
+    return int(batch.seq_lens.sum()) * per_token
+
+
+def make_batches(seq_lens, query_lens, shape, dtype, device, count):
+    from modelfleet.dataplane.kernels.testing import random_paged_batch
+
+    _, num_heads, num_kv_heads, head_dim = shape
+    return [
+        random_paged_batch(
+            seq_lens,
+            query_lens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=BLOCK_SIZE,
+            dtype=dtype,
+            device=device,
+            spare_blocks=0,
+            seed=i,
+        )
+        for i in range(count)
+    ]
+
+
+def metadata(batch):
+    from modelfleet.dataplane.attention import AttentionMetadata
+
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=batch.q.device),
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        max_query_len=batch.max_query_len,
+        max_seq_len=batch.max_seq_len,
+    )
+
+
+def bench_attention(shape, num_seqs, length, decode: bool, dtype, device, copy_gbps) -> dict:
+    from modelfleet.dataplane.attention import get_backend
+    from modelfleet.dataplane.attention.triton_paged import TritonPagedAttention
+
+    seq_lens = [length] * num_seqs
+    query_lens = [1 if decode else length] * num_seqs
+    one = make_batches(seq_lens, query_lens, shape, dtype, device, 1)[0]
+    count = max(2, min(8, ROTATE_BYTES // max(kv_bytes(one), 1)))
+    batches = [one, *make_batches(seq_lens, query_lens, shape, dtype, device, count - 1)]
+    scale = shape[3] ** -0.5
+    metas = [(b, metadata(b)) for b in batches]
+    ours, torch_ref = TritonPagedAttention(), get_backend("torch")
+
+    def run(backend):
+        return lambda item: backend.forward(item[0].q, item[0].kv_cache, item[1], scale)
+
+    got, want = run(ours)(metas[0]), run(torch_ref)(metas[0])
+    max_err = (got.float() - want.float()).abs().max().item()
+    triton_us = median_us(run(ours), metas)
+    torch_us = median_us(run(torch_ref), metas)
+    result = {
+        "kernel": "decode" if decode else "prefill",
+        "shape": shape[0],
+        "batch": num_seqs,
+        "context": length,
+        "triton_us": round(triton_us, 1),
+        "torch_us": round(torch_us, 1),
+        "speedup_vs_torch": round(torch_us / triton_us, 2),
+        "max_abs_err_vs_torch": round(max_err, 5),
+    }
+    if decode:
+        moved = kv_bytes(one) + 2 * one.q.numel() * one.q.element_size()
+        result["triton_gbps"] = round(moved / triton_us / 1e3, 1)
+        result["pct_of_copy_bandwidth"] = round(100 * moved / triton_us / 1e3 / copy_gbps, 1)
+    else:
+        _, num_heads, _, head_dim = shape
+        flops = 4 * num_heads * head_dim * num_seqs * length * (length + 1) / 2  # causal: half the pairs
+        result["triton_tflops"] = round(flops / triton_us / 1e6, 1)
+    return result
+
+
+def bench_small_ops(dtype, device) -> list[dict]:
+    from modelfleet.dataplane.kernels import reference
+    from modelfleet.dataplane.kernels.activation import silu_and_mul
+    from modelfleet.dataplane.kernels.rms_norm import rms_norm
+    from modelfleet.dataplane.kernels.rotary import rotary_embedding
+
+    tokens, hidden, inter, heads, kv_heads, head_dim = 256, 4096, 14336, 32, 8, 128
+    n = 8
+    xs = [torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(n)]
+    res = [torch.randn_like(x) for x in xs]
+    w = torch.randn(hidden, device=device, dtype=dtype)
+    gate_up = [torch.randn(tokens, 2 * inter, device=device, dtype=dtype) for _ in range(n)]
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    cache = reference.rope_cos_sin_cache(inv_freq, 8192, dtype)
+    pos = torch.randint(0, 8192, (tokens,), device=device)
+    qs = [torch.randn(tokens, heads, head_dim, device=device, dtype=dtype) for _ in range(n)]
+    ks = [torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(n)]
+    cases = {
+        "fused_add_rms_norm": (
+            lambda i: rms_norm(xs[i], w, 1e-5, res[i]),
+            lambda i: reference.rms_norm_native(xs[i], w, 1e-5, res[i]),
+        ),
+        "silu_and_mul": (
+            lambda i: silu_and_mul(gate_up[i]),
+            lambda i: reference.silu_and_mul_native(gate_up[i]),
+        ),
+        "rotary_embedding": (
+            lambda i: rotary_embedding(pos, qs[i], ks[i], cache),
+            lambda i: reference.rotary_embedding_native(pos, qs[i], ks[i], cache),
+        ),
+    }
+    results = []
+    for name, (fused, native) in cases.items():
+        fused_us, native_us = median_us(fused, list(range(n))), median_us(native, list(range(n)))
+        results.append(
+            {
+                "op": name,
+                "tokens": tokens,
+                "triton_us": round(fused_us, 1),
+                "torch_us": round(native_us, 1),
+                "speedup_vs_torch": round(native_us / fused_us, 2),
+            }
+        )
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--quick", action="store_true", help="one shape, two decode cases")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU with Triton; none found", file=sys.stderr)
+        return 1
+    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    copy_gbps = copy_bandwidth_gbps(device)
+    shapes = SHAPES[-1:] if args.quick else SHAPES
+    decode_cases = DECODE_CASES[:2] if args.quick else DECODE_CASES
+    results = []
+    for shape in shapes:
+        for num_seqs, context in decode_cases:
+            results.append(bench_attention(shape, num_seqs, context, True, dtype, device, copy_gbps))
+            torch.cuda.empty_cache()
+        for num_seqs, length in PREFILL_CASES:
+            results.append(bench_attention(shape, num_seqs, length, False, dtype, device, copy_gbps))
+    decode = [r for r in results if r["kernel"] == "decode"]
+    line = {
+        "bench": "kernels",
+        "device": torch.cuda.get_device_name(device),
+        "dtype": args.dtype,
+        "block_size": BLOCK_SIZE,
+        "copy_bandwidth_gbps": round(copy_gbps, 1),
+        "decode_best_pct_of_copy_bandwidth": max(r["pct_of_copy_bandwidth"] for r in decode),
+        "attention": results,
+        "small_ops": bench_small_ops(dtype, device),
+    }
+    print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

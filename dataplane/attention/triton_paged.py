@@ -1,0 +1,61 @@
+"""Paged attention with the Triton kernels of modelfleet.dataplane.kernels (CUDA and ROCm GPUs).
+
+Decode-only steps (every sequence computes one token) take the split-KV decode kernel; any step with a
+longer query (prefill, chunked prefill, prefix-cached prompts, mixed batches) takes the extend kernel.
+Neither reads data on the host, so a decode step can be captured in a CUDA graph. Importing this module
+needs neither Triton nor a GPU: the kernels load on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+from modelfleet.dataplane.attention.backend import AttentionBackend, register_backend
+from modelfleet.dataplane.attention.metadata import AttentionMetadata
+
+
+@register_backend("triton")
+class TritonPagedAttention(AttentionBackend):
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        from modelfleet.dataplane.kernels.kv_write import write_kv
+
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        *,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        meta = attn_metadata
+        if meta.max_query_len == 1:
+            from modelfleet.dataplane.kernels.decode_attention import decode_attention
+
+            # splits sized for the block table's capacity, which a captured graph keeps fixed
+            return decode_attention(
+                query,
+                kv_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                sliding_window=sliding_window,
+            )
+        from modelfleet.dataplane.kernels.extend_attention import extend_attention
+
+        return extend_attention(
+            query,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            scale,
+            sliding_window=sliding_window,
+        )

@@ -1,0 +1,9 @@
+"""GPU kernels (Triton) for the data plane, each with a plain-torch reference in `reference`.
+
+Importing this package never needs Triton or a GPU: the kernel modules import Triton themselves and are
+loaded only when asked for, so CPU-only machines (and CI) can import the references and `triton_usable`.
+"""
+
+from modelfleet.dataplane.kernels.availability import triton_usable
+
+__all__ = ["triton_usable"]

@@ -1,0 +1,114 @@
+"""Plain-torch references for every kernel of this package: the oracles the GPU tests compare against.
+
+They follow the arithmetic of Hugging Face Llama (where it rounds to the model dtype, so do they) and are
+written to be obviously right rather than fast.
+KV cache layout (one layer): [2, num_blocks, block_size, num_kv_heads, head_dim]; K is [0], V is [1].
+"""
+
+import torch
+
+
+def write_kv_native(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store k, v [T, Hkv, D] at flat slots (block * block_size + offset); a negative slot is padding."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(kv_cache.dtype)
+
+
+def gather_kv_native(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [seq_len, Hkv, D] of one sequence, read through its block table."""
+    block_size = kv_cache.shape[2]
+    positions = torch.arange(seq_len, device=kv_cache.device)
+    blocks = block_table.long()[positions // block_size]
+    offsets = positions % block_size
+    return kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets]
+
+
+def paged_attention_native(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over the paged KV cache (prefill, chunked prefill and decode).
+
+    The query tokens of sequence b are the last `q_len` of its `seq_len` tokens; each attends to
+    KV positions 0..its own position (p-W+1..p with a sliding window W). Computed in float32, returned
+    in q's dtype.
+    """
+    num_heads = q.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q_seq = q[starts[b] : starts[b + 1]].float()
+        q_len = q_seq.shape[0]
+        if q_len == 0:
+            continue
+        k, v = gather_kv_native(kv_cache, block_tables[b], seq_len)
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_seq, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def rms_norm_native(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [..., H]; with `residual`, normalises x + residual and also returns that sum."""
+    if residual is not None:
+        x = x + residual
+        summed = x
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * hidden.to(x.dtype)
+    return out if residual is None else (out, summed)
+
+
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype, attention_scaling: float = 1.0
+) -> torch.Tensor:
+    """[max_positions, 2 * len(inv_freq)]: cos of each position's angles, then their sin (float32 math)."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    angles = positions[:, None] * inv_freq.float()[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).mul(attention_scaling).to(dtype)
+
+
+def rotary_embedding_native(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotation (HF Llama's rotate_half) of q [T, Hq, D] and k [T, Hkv, D]; out of place."""
+    half = cos_sin_cache.shape[-1] // 2
+    cos, sin = cos_sin_cache[positions].to(q.dtype).split(half, dim=-1)
+    cos = torch.cat([cos, cos], dim=-1)[:, None, :]
+    sin = torch.cat([sin, sin], dim=-1)[:, None, :]
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([-x2, x1], dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], as HF's Llama MLP rounds it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
