@@ -353,8 +353,9 @@ def test_notes_give_the_next_steps() -> None:
     notes = result.stdout.split("NOTES:", 1)[1]
     for step in (
         "rollout status deployment/mf-modelfleet-operator",
-        "kubectl -n modelfleet-system apply -f",
-        "patch im",
+        "kubectl -n modelfleet-system get secret mf-modelfleet-controlplane-auth",
+        "apply -f examples/model.yaml",
+        "patch im chat",
     ):
         assert step in notes
     manifest = result.stdout.split("NOTES:", 1)[0].split("MANIFEST:", 1)[1]
