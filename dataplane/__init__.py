@@ -17,7 +17,7 @@ _EXPORTS = {
     "EngineStats": "modelfleet.dataplane.engine.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "AsyncLLM", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.config import EngineConfig

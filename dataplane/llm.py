@@ -69,7 +69,9 @@ def _as_prompt_list(prompts: Any) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, list | tuple):
-        raise ValueError(f"prompts: expected a string, a list of strings or of token-id lists, got {prompts!r}")
+        raise ValueError(
+            f"prompts: expected a string, a list of strings or of token-id lists, got {prompts!r}"
+        )
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [list(prompts)]
     return list(prompts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -133,7 +134,6 @@ class AsyncLLM:
         if stream is None:
             return
         loop, queue = stream
-        try:
+        # RuntimeError: the caller's event loop is gone.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the caller's event loop is gone

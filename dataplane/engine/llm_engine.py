@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.config import EngineConfig, check_prefill_fits
@@ -32,10 +32,9 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         from modelfleet.dataplane.engine.model_runner import ModelRunner
         from modelfleet.dataplane.models.config import ModelConfig
+        from transformers import AutoTokenizer
 
         self.config = config
         model_config = ModelConfig.from_dir(config.model)
@@ -56,7 +55,9 @@ class LLMEngine:
         cache_tokens = self.runner.num_blocks * config.block_size
         if cache_tokens < max_model_len:
             logger.warning(
-                "max_model_len lowered from %d to %d: the KV cache holds no more tokens", max_model_len, cache_tokens
+                "max_model_len lowered from %d to %d: the KV cache holds no more tokens",
+                max_model_len,
+                cache_tokens,
             )
             max_model_len = cache_tokens
         self.max_model_len = max_model_len
@@ -163,7 +164,9 @@ class LLMEngine:
         for item, error in zip(scheduled.scheduled, result.errors, strict=True):
             if error is not None:
                 failed.append((item.seq.request_id, error))
-        token_ids = [None if e is not None else t for t, e in zip(result.token_ids, result.errors, strict=True)]
+        token_ids = [
+            None if e is not None else t for t, e in zip(result.token_ids, result.errors, strict=True)
+        ]
         logprobs_by_id = {
             item.seq.request_id: lp for item, lp in zip(scheduled.scheduled, result.logprobs, strict=True)
         }

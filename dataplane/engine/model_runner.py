@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.engine.sampler import Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
@@ -114,7 +113,9 @@ class ModelRunner:
 
         input_ids: list[int] = []
         for s in scheduled:
-            input_ids.extend(s.seq.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+            input_ids.extend(
+                s.seq.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+            )
         # Position of each token: its index in the flat batch, shifted to where its sequence starts.
         seq_index = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from modelfleet.dataplane.engine.sequence import Sequence
 
 
@@ -50,10 +49,7 @@ class Sampler:
             logits = apply_penalties(logits, seqs)
 
         greedy = [p.greedy for p in params]
-        if all(greedy):
-            token_ids = logits.argmax(dim=-1)
-        else:
-            token_ids = self._sample(logits, seqs, greedy)
+        token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
 
         token_list = token_ids.tolist()
         logprob_dicts: list[dict[int, float] | None] = [None] * num_rows
@@ -141,7 +137,9 @@ def _gather_logprobs(
 ) -> list[dict[int, float] | None]:
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
     top_values, top_ids = (
-        logprobs.topk(num_logprobs, dim=-1) if num_logprobs > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+        logprobs.topk(num_logprobs, dim=-1)
+        if num_logprobs > 0
+        else (logprobs[:, :0], token_ids[:, None][:, :0])
     )
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     token_list = token_ids.tolist()

@@ -13,3 +13,14 @@ from .hf_checkpoints import ARCHITECTURES, make_checkpoint
 def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf-checkpoints")
     return {name: make_checkpoint(root / name, name) for name in ARCHITECTURES}
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread():
+    """Tiny matrices: one thread is faster, and on a shared machine extra threads only wait on each other."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,7 +15,9 @@ COMMON = dict(
     # Wider than the default so that random logits are peaked: no near-ties for float32 noise to break.
     initializer_range=0.1,
 )
-LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=128
+)
 
 ARCHITECTURES = {
     "llama2": ("LlamaConfig", dict(tie_word_embeddings=False)),
@@ -50,4 +52,3 @@ def make_checkpoint(out_dir: Path, architecture: str, seed: int = 0) -> Path:
                 param.normal_(1.0, 0.1)
     model.save_pretrained(out_dir)
     return out_dir
-

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from modelfleet.dataplane import LLM, SamplingParams
+
 from .hf_checkpoints import ARCHITECTURES
 
 NEW_TOKENS = 32

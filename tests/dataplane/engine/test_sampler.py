@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from modelfleet.dataplane.engine.sampler import Sampler, apply_penalties
 from modelfleet.dataplane.engine.sequence import Sequence
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -134,7 +133,7 @@ def test_logprobs_report_top_n_and_the_chosen_token():
 def test_logprobs_zero_reports_just_the_chosen_token():
     logits = random_logits(1, seed=5)
     out = Sampler(CPU, seed=1)(logits, [seq(SamplingParams(temperature=1.0, logprobs=0))])
-    (token_id, value), = out.logprobs[0].items()
+    ((token_id, value),) = out.logprobs[0].items()
     assert token_id == out.token_ids[0]
     assert math.isclose(value, torch.log_softmax(logits, -1)[0, token_id].item(), rel_tol=1e-6)
 
