@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.server.model_manager import VersionSpec
+
+# transformers' lazy imports are not thread-safe, and two loads at once would only compete for the same
+# memory bandwidth: load one version at a time.
+_LOAD_LOCK = threading.Lock()
 
 
 def engine_kwargs(spec: VersionSpec) -> dict[str, Any]:
@@ -21,7 +26,8 @@ def load_engine(spec: VersionSpec) -> Any:
     artifact = Path(spec.artifact)
     if not artifact.is_dir():
         raise FileNotFoundError(f"artifact {artifact} is not a directory")
-    return AsyncLLM(str(artifact), **engine_kwargs(spec))
+    with _LOAD_LOCK:
+        return AsyncLLM(str(artifact), **engine_kwargs(spec))
 
 
 def estimate_engine_bytes(spec: VersionSpec) -> int:
