@@ -158,6 +158,12 @@ def test_schema_rejects_bad_values(case: str) -> None:
     assert field in result.stderr, result.stderr
 
 
+def test_chart_refuses_kubernetes_older_than_1_30() -> None:
+    """ValidatingAdmissionPolicy v1 and the CRDs' CEL rules need 1.30."""
+    result = run_helm("template", "mf", str(CHART), "--kube-version", "1.29.5")
+    assert result.returncode != 0 and "requires kubeVersion" in result.stderr
+
+
 def test_validation_catches_a_broken_manifest(rendered) -> None:
     """The validator itself can fail: a misspelt field in a Deployment is reported under --strict."""
     docs = [dict(doc) for doc in rendered[("defaults", KUBERNETES_VERSIONS[-1])]]
@@ -428,3 +434,18 @@ def test_env_names_are_settings_the_components_read(rendered) -> None:
     operator = {f"MODELFLEET_{field.upper()}" for field in OperatorSettings.model_fields}
     must_set = {"MODELFLEET_OPERATOR_PEERING", "MODELFLEET_DATAPLANE_IMAGE", "MODELFLEET_MODEL_STORE_CLAIM"}
     assert must_set <= operator & set(operator_env)
+
+
+def test_network_policies_allow_only_what_is_used(rendered) -> None:
+    policies = by_kind(rendered[("defaults", "1.37.0")], "NetworkPolicy")
+    for name, ingress_ports in (("operator", {"metrics", "health"}), ("controlplane", {"http"})):
+        spec = policies[f"mf-modelfleet-{name}"]["spec"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        assert {p["port"] for rule in spec["ingress"] for p in rule["ports"]} == ingress_ports
+        assert {p["port"] for rule in spec["egress"] for p in rule["ports"]} == {53, 443, 6443}
+    restricted = render(
+        {"networkPolicy": {"controlPlaneFrom": [{"podSelector": {"matchLabels": {"a": "b"}}}]}}
+    )
+    (rule,) = by_kind(restricted, "NetworkPolicy")["mf-modelfleet-controlplane"]["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"a": "b"}}}]
+    assert not by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
