@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "demo": "modelfleet.dataplane.demo.cli",
     "crds": "modelfleet.operator.crdgen",
     "serve": "modelfleet.dataplane.server.cli",
+    "controlplane": "modelfleet.controlplane.main",
 }
 
 

@@ -305,6 +305,13 @@ def test_without_control_plane_only_the_operator_is_installed(rendered) -> None:
     components = {doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") for doc in docs}
     assert "controlplane" not in components
     assert set(by_kind(docs, "Deployment")) == {"mf-modelfleet-operator"}
+    # Nobody writes the API key Secret without the control plane: serving pods must not mount it.
+    assert (
+        container_env(by_kind(docs, "Deployment")["mf-modelfleet-operator"])[
+            "MODELFLEET_DATAPLANE_API_KEYS_SECRET"
+        ]
+        == ""
+    )
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
