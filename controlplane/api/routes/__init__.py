@@ -1,0 +1,1 @@
+"""One module per resource; api/main.py gathers them under /api/v1."""

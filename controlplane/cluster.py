@@ -1,0 +1,282 @@
+"""The cluster client: the control plane's writes as Kubernetes objects, and live status for reads.
+
+`Cluster` is the interface the routes use. `KubernetesCluster` turns registry rows into objects
+(resources.py) and hands them to an `ObjectStore`: the Kubernetes API through the dynamic client with
+server-side apply, or anything else that stores dicts (tests). `NoCluster` runs the registry alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from modelfleet.controlplane import resources
+from modelfleet.controlplane.core.config import Settings
+from modelfleet.controlplane.core.security import tenant_pepper
+from modelfleet.controlplane.errors import ClusterUnavailable
+from modelfleet.controlplane.models import ApiKey, Model, ModelVersion, Tenant
+from modelfleet.operator.api import API_VERSION
+
+log = logging.getLogger(__name__)
+
+
+class Cluster(Protocol):
+    name: str
+
+    def describe(self) -> str: ...
+    def apply_tenant(self, tenant: Tenant, keys: list[ApiKey]) -> None: ...
+    def delete_tenant(self, tenant: Tenant) -> None: ...
+    def apply_keys(self, tenant: Tenant, keys: list[ApiKey]) -> None: ...
+    def apply_model(self, tenant: Tenant, model: Model) -> None: ...
+    def delete_model(self, tenant: Tenant, model: Model) -> None: ...
+    def apply_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None: ...
+    def delete_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None: ...
+    def model_status(self, tenant: Tenant, model_name: str) -> dict[str, Any] | None: ...
+    def model_statuses(self, tenant: Tenant) -> dict[str, dict[str, Any]]: ...
+    def version_status(self, tenant: Tenant, model_name: str, version_name: str) -> dict[str, Any] | None: ...
+    def version_statuses(self, tenant: Tenant, model_name: str) -> dict[str, dict[str, Any]]: ...
+
+
+class NoCluster:
+    """Registry only: writes stay in the database, reads carry no live status."""
+
+    name = "none"
+
+    def describe(self) -> str:
+        return (
+            "no cluster configured: running as a registry only "
+            "(set KUBECONFIG or MODELFLEET_CLUSTER=kubernetes to write CRs)"
+        )
+
+    def apply_tenant(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+        pass
+
+    def delete_tenant(self, tenant: Tenant) -> None:
+        pass
+
+    def apply_keys(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+        pass
+
+    def apply_model(self, tenant: Tenant, model: Model) -> None:
+        pass
+
+    def delete_model(self, tenant: Tenant, model: Model) -> None:
+        pass
+
+    def apply_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None:
+        pass
+
+    def delete_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None:
+        pass
+
+    def model_status(self, tenant: Tenant, model_name: str) -> dict[str, Any] | None:
+        return None
+
+    def model_statuses(self, tenant: Tenant) -> dict[str, dict[str, Any]]:
+        return {}
+
+    def version_status(self, tenant: Tenant, model_name: str, version_name: str) -> dict[str, Any] | None:
+        return None
+
+    def version_statuses(self, tenant: Tenant, model_name: str) -> dict[str, dict[str, Any]]:
+        return {}
+
+
+class ObjectStore(Protocol):
+    """Where objects go: apply (create or update, idempotent), delete, get and list by kind."""
+
+    def apply(self, body: dict[str, Any]) -> None: ...
+    def delete(self, api_version: str, kind: str, name: str, namespace: str | None) -> None: ...
+    def get(self, api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None: ...
+    def list(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
+    ) -> list[dict[str, Any]]: ...
+
+
+class KubernetesCluster:
+    name = "kubernetes"
+
+    def __init__(self, store: ObjectStore, *, server_pepper: str, where: str = "") -> None:
+        self.store = store
+        self.server_pepper = server_pepper
+        self.where = where
+
+    def describe(self) -> str:
+        return f"writing InferenceModel and ModelVersion objects to Kubernetes {self.where}".rstrip()
+
+    def _apply(self, body: dict[str, Any] | None) -> None:
+        if body is not None:
+            self.store.apply(body)
+
+    def apply_tenant(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+        self._apply(resources.namespace(tenant))
+        self._apply(resources.resource_quota(tenant))
+        self.apply_keys(tenant, keys)
+
+    def delete_tenant(self, tenant: Tenant) -> None:
+        # The namespace takes everything of the tenant with it: pods, CRs, the Secret, the quota.
+        self.store.delete("v1", "Namespace", tenant.namespace, None)
+
+    def apply_keys(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+        pepper = tenant_pepper(self.server_pepper, tenant.namespace)
+        self._apply(resources.key_secret(tenant, keys, pepper))
+
+    def apply_model(self, tenant: Tenant, model: Model) -> None:
+        self._apply(resources.inference_model(tenant, model))
+
+    def delete_model(self, tenant: Tenant, model: Model) -> None:
+        self.store.delete(API_VERSION, "InferenceModel", model.name, tenant.namespace)
+        for obj in self.store.list(
+            API_VERSION, "ModelVersion", tenant.namespace, {"modelfleet.dev/model": model.name}
+        ):
+            self.store.delete(API_VERSION, "ModelVersion", obj["metadata"]["name"], tenant.namespace)
+
+    def apply_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None:
+        self._apply(resources.model_version(tenant, model, version))
+
+    def delete_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None:
+        name = resources.version_object_name(model.name, version.name)
+        self.store.delete(API_VERSION, "ModelVersion", name, tenant.namespace)
+
+    # Reads degrade to the registry alone: a status we cannot fetch is shown as unknown, not as an error.
+
+    def model_status(self, tenant: Tenant, model_name: str) -> dict[str, Any] | None:
+        obj = self._quiet_get("InferenceModel", model_name, tenant.namespace)
+        return (obj or {}).get("status")
+
+    def model_statuses(self, tenant: Tenant) -> dict[str, dict[str, Any]]:
+        return {
+            obj["metadata"]["name"]: obj.get("status") or {}
+            for obj in self._quiet_list("InferenceModel", tenant, {})
+        }
+
+    def version_status(self, tenant: Tenant, model_name: str, version_name: str) -> dict[str, Any] | None:
+        obj = self._quiet_get(
+            "ModelVersion", resources.version_object_name(model_name, version_name), tenant.namespace
+        )
+        return (obj or {}).get("status")
+
+    def version_statuses(self, tenant: Tenant, model_name: str) -> dict[str, dict[str, Any]]:
+        found = self._quiet_list("ModelVersion", tenant, {"modelfleet.dev/model": model_name})
+        return {obj["spec"]["version"]: obj.get("status") or {} for obj in found}
+
+    def _quiet_get(self, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        try:
+            return self.store.get(API_VERSION, kind, name, namespace)
+        except ClusterUnavailable as exc:
+            log.warning("live status of %s %s/%s unavailable: %s", kind, namespace, name, exc)
+            return None
+
+    def _quiet_list(self, kind: str, tenant: Tenant, labels: dict[str, str]) -> list[dict[str, Any]]:
+        try:
+            return self.store.list(API_VERSION, kind, tenant.namespace, labels)
+        except ClusterUnavailable as exc:
+            log.warning("live status of %s in %s unavailable: %s", kind, tenant.namespace, exc)
+            return []
+
+
+class DynamicStore:
+    """The Kubernetes API through the `kubernetes` dynamic client, writing with server-side apply."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import dynamic
+
+        self.client = dynamic.DynamicClient(api_client)
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+        try:
+            return self.client.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError:
+            raise ClusterUnavailable(
+                f"the cluster does not serve {kind} ({api_version}); install the modelfleet CRDs (charts/)"
+            ) from None
+
+    def apply(self, body: dict[str, Any]) -> None:
+        resource = self._resource(body["apiVersion"], body["kind"])
+        namespace = body["metadata"].get("namespace")
+        self._call(
+            lambda: self.client.server_side_apply(
+                resource,
+                body=body,
+                namespace=namespace,
+                field_manager=resources.FIELD_MANAGER,
+                force_conflicts=True,
+            ),
+            f"apply {body['kind']} {body['metadata']['name']}",
+        )
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str | None) -> None:
+        resource = self._resource(api_version, kind)
+        self._call(
+            lambda: resource.delete(name=name, namespace=namespace), f"delete {kind} {name}", missing_ok=True
+        )
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        resource = self._resource(api_version, kind)
+        found = self._call(
+            lambda: resource.get(name=name, namespace=namespace), f"get {kind} {name}", missing_ok=True
+        )
+        return found.to_dict() if found is not None else None
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        resource = self._resource(api_version, kind)
+        selector = ",".join(f"{key}={value}" for key, value in labels.items()) or None
+        found = self._call(lambda: resource.get(namespace=namespace, label_selector=selector), f"list {kind}")
+        return [item.to_dict() for item in found.items]
+
+    @staticmethod
+    def _call(action: Any, what: str, *, missing_ok: bool = False) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return action()
+        except ApiException as exc:
+            if missing_ok and exc.status == 404:
+                return None
+            raise ClusterUnavailable(f"Kubernetes refused to {what}: {exc.status} {exc.reason}") from None
+        except HTTPError as exc:
+            raise ClusterUnavailable(f"Kubernetes unreachable while trying to {what}: {exc}") from None
+
+
+def in_cluster() -> bool:
+    return (
+        bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+        and Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists()
+    )
+
+
+def kubeconfig_path(settings: Settings) -> str | None:
+    path = settings.kubeconfig or os.path.expanduser("~/.kube/config")
+    return path if Path(path).exists() else None
+
+
+def connect(settings: Settings) -> Cluster:
+    """The cluster the settings ask for; `auto` uses Kubernetes when it finds credentials."""
+    if settings.cluster == "none":
+        return NoCluster()
+    config_path = kubeconfig_path(settings)
+    if settings.cluster == "auto" and not (config_path or in_cluster()):
+        return NoCluster()
+    from kubernetes import client, config
+
+    if config_path:
+        api_client = config.new_client_from_config(config_file=config_path)
+        where = f"(kubeconfig {config_path})"
+    elif in_cluster():
+        config.load_incluster_config()
+        api_client = client.ApiClient()
+        where = "(in-cluster service account)"
+    else:
+        raise ClusterUnavailable(
+            "MODELFLEET_CLUSTER=kubernetes but no kubeconfig or in-cluster credentials found"
+        )
+    return KubernetesCluster(
+        DynamicStore(api_client), server_pepper=settings.key_pepper.get_secret_value(), where=where
+    )

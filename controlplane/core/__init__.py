@@ -1,0 +1,1 @@
+"""Settings, database and security primitives of the control plane."""

@@ -1,0 +1,149 @@
+"""Prometheus metrics and OpenTelemetry spans for HTTP requests and SQL statements.
+
+Spans go to the exporter named by the standard OTEL_* variables when one is set; otherwise the API's
+no-op tracer keeps the cost near zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Histogram
+from sqlalchemy import Engine, event
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("modelfleet.controlplane")
+
+HTTP_REQUESTS = Counter(
+    "modelfleet_controlplane_http_requests_total", "HTTP requests answered", ["method", "route", "status"]
+)
+HTTP_LATENCY = Histogram(
+    "modelfleet_controlplane_http_request_duration_seconds", "HTTP request latency", ["method", "route"]
+)
+DB_LATENCY = Histogram(
+    "modelfleet_controlplane_db_query_duration_seconds",
+    "SQL statement latency",
+    ["operation"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+DB_UNAVAILABLE = Counter(
+    "modelfleet_controlplane_db_unavailable_total", "Requests refused: database unavailable"
+)
+
+_provider_lock = threading.Lock()
+_provider_set = False
+
+
+def setup_tracing() -> None:
+    """Install an OTLP exporter once per process, if the environment asks for one."""
+    global _provider_set
+    wanted = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    )
+    if not wanted or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return
+    with _provider_lock:
+        if _provider_set:
+            return
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        service = os.environ.get("OTEL_SERVICE_NAME", "modelfleet-controlplane")
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        trace.set_tracer_provider(provider)
+        _provider_set = True
+        log.info("tracing to %s", wanted)
+
+
+class TelemetryMiddleware:
+    """A server span and the request metrics for every HTTP request (plain ASGI: no body buffering)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method = scope["method"]
+        status = {"code": 500}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        with tracer.start_as_current_span(f"{method} {scope['path']}", kind=SpanKind.SERVER) as span:
+            try:
+                await self.app(scope, receive, send_and_note)
+            finally:
+                route = _route_template(scope)
+                span.update_name(f"{method} {route}")
+                span.set_attribute("http.request.method", method)
+                span.set_attribute("http.route", route)
+                span.set_attribute("url.path", scope["path"])
+                span.set_attribute("http.response.status_code", status["code"])
+                if status["code"] >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+                HTTP_LATENCY.labels(method, route).observe(time.perf_counter() - started)
+                HTTP_REQUESTS.labels(method, route, str(status["code"])).inc()
+
+
+def _route_template(scope: dict) -> str:
+    """The path with its parameters put back as names (/api/v1/tenants/{tenant_name}), so that metric
+    labels stay few; built from the matched path parameters, in their order along the path."""
+    if scope.get("route") is None:
+        return "unmatched"
+    segments = scope["path"].split("/")
+    start = 0
+    for name, value in (scope.get("path_params") or {}).items():
+        for index in range(start, len(segments)):
+            if segments[index] == str(value):
+                segments[index] = "{" + name + "}"
+                start = index + 1
+                break
+    return "/".join(segments)
+
+
+def instrument_engine(engine: Engine) -> None:
+    """A client span and a latency observation per SQL statement."""
+    system = engine.dialect.name
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _start(conn, cursor, statement, parameters, context, executemany) -> None:
+        operation = statement.lstrip().split(" ", 1)[0].upper()
+        span = tracer.start_span(f"{operation} {system}", kind=SpanKind.CLIENT)
+        span.set_attribute("db.system.name", system)
+        span.set_attribute("db.operation.name", operation)
+        span.set_attribute("db.query.text", statement[:1000])
+        conn.info.setdefault("modelfleet_spans", []).append((span, operation, time.perf_counter()))
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _end(conn, cursor, statement, parameters, context, executemany) -> None:
+        _finish(conn, error=None)
+
+    @event.listens_for(engine, "handle_error")
+    def _failed(context) -> None:
+        if context.connection is not None:
+            _finish(context.connection, error=context.original_exception)
+
+
+def _finish(conn: Any, *, error: BaseException | None) -> None:
+    spans = conn.info.get("modelfleet_spans")
+    if not spans:
+        return
+    span, operation, started = spans.pop()
+    DB_LATENCY.labels(operation).observe(time.perf_counter() - started)
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+    span.end()
