@@ -98,7 +98,7 @@ class LLMEngine:
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt, str | list | tuple):
             raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-        token_ids = self.tokenize(prompt)
+        token_ids = self.tokenize(prompt) if prompt else []
         if not token_ids:
             raise ValueError("prompt: is empty; send at least one token")
         vocab = self.model_config.vocab_size

@@ -1,0 +1,193 @@
+"""The offline API on the tiny demo model: text, stops, bad input, seeds, abort, failures, priorities."""
+
+from __future__ import annotations
+
+import pytest
+from modelfleet.dataplane import LLM, EngineConfig, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cpu")
+
+
+def run_until_done(llm: LLM) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def test_generate_returns_text_tokens_and_finish_reason_in_prompt_order(llm):
+    prompts = ["Hello there", "The model server", [5, 6, 7, 8]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY))
+    assert [o.prompt_token_ids for o in outs][2] == [5, 6, 7, 8]
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("Hello there")
+    for out in outs:
+        assert out.finished and out.finish_reason == "length" and len(out.token_ids) == 12
+        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.arrival_time <= out.first_token_time <= out.finished_time
+
+
+def test_streamed_deltas_add_up_to_the_final_output(llm):
+    llm.add_request("stream", "Once upon a time", SamplingParams(max_tokens=20, **GREEDY))
+    outputs = run_until_done(llm)["stream"]
+    final = outputs[-1]
+    assert final.finished and not any(o.finished for o in outputs[:-1])
+    assert "".join(o.new_text for o in outputs) == final.text
+    assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
+
+
+def test_stop_string_truncates_the_text_and_stops(llm):
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    full = llm.generate("A stop string test", params)[0].text
+    stop = full[10:13]
+    assert stop and full.find(stop) >= 0
+    out = llm.generate("A stop string test", SamplingParams(max_tokens=24, stop=[stop], **GREEDY))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.find(stop)]
+    assert len(out.token_ids) < 24
+
+
+def test_stop_token_id_ends_generation_including_that_token(llm):
+    full = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, **GREEDY))[0].token_ids
+    stop_id = full[4]
+    cut = full.index(stop_id)
+    out = llm.generate([9, 10, 11], SamplingParams(max_tokens=10, stop_token_ids=[stop_id], **GREEDY))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[: cut + 1]
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir):
+    llm = LLM(tiny_model_dir, max_model_len=128, kv_cache_bytes=1 << 21, dtype="float32", device="cpu")
+    full = llm.generate([20, 21], SamplingParams(max_tokens=8, **GREEDY))[0].token_ids
+    llm.engine.eos_token_ids = frozenset({full[3]})
+    cut = full.index(full[3])
+    out = llm.generate([20, 21], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[: cut + 1]
+    ignored = llm.generate([20, 21], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert ignored.token_ids == full
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", {}, "prompt"),
+        ([], {}, "prompt"),
+        ([1] * 256, {}, "prompt"),
+        ([1, 99999], {}, "prompt"),
+        ("hi", {"temperature": -0.5}, "temperature"),
+        ("hi", {"top_p": 0.0}, "top_p"),
+        ("hi", {"top_p": 1.5}, "top_p"),
+        ("hi", {"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_input_is_refused_when_added_naming_the_field(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        llm.add_request("bad", prompt, SamplingParams(**params) if params else None)
+    assert not llm.has_unfinished_requests()
+
+
+def test_one_bad_prompt_refuses_the_whole_generate_call(llm):
+    with pytest.raises(ValueError, match=r"^prompt:"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not llm.has_unfinished_requests()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm, tiny_model_dir):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["Seeded prompt"], seeded)[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in (None, 1, 2)]
+    batch = llm.generate(
+        ["Another prompt", "Seeded prompt", "More text here", "x"],
+        [others[0], seeded, others[1], others[2]],
+    )
+    assert batch[1].token_ids == alone
+    fresh = LLM(tiny_model_dir, max_model_len=128, kv_cache_bytes=1 << 21, dtype="float32", device="cpu")
+    assert fresh.generate("Seeded prompt", seeded)[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=43, max_tokens=16, ignore_eos=True)
+    assert llm.generate("Seeded prompt", different_seed)[0].token_ids != alone
+
+
+def test_abort_frees_blocks_at_once_and_others_go_on(llm):
+    total = llm.stats().num_total_blocks
+    llm.add_request("keep", [3, 4, 5], SamplingParams(max_tokens=6, **GREEDY))
+    llm.add_request("drop", list(range(5, 105)), SamplingParams(max_tokens=50, **GREEDY))
+    llm.step()
+    assert llm.stats().num_free_blocks == total - 1 - 7
+    final = llm.abort("drop")
+    assert final.finished and final.finish_reason == "abort"
+    assert llm.stats().num_free_blocks == total - 1
+    assert llm.abort("drop") is None
+    outputs = run_until_done(llm)
+    assert outputs["keep"][-1].finish_reason == "length" and "drop" not in outputs
+    assert llm.stats().num_free_blocks == total
+
+
+def test_nan_logits_fail_only_that_request(llm, monkeypatch):
+    sampler = llm.engine.runner.sampler
+    original = type(sampler).__call__
+
+    def poisoned(self, logits, seqs):
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            if seq.request_id == "poisoned" and seq.num_output_tokens == 2:
+                logits[i, 0] = float("nan")
+        return original(self, logits, seqs)
+
+    monkeypatch.setattr(type(sampler), "__call__", poisoned)
+    llm.add_request("poisoned", [7, 8, 9], SamplingParams(max_tokens=8, **GREEDY))
+    llm.add_request("healthy", [7, 8, 9], SamplingParams(max_tokens=8, **GREEDY))
+    outputs = run_until_done(llm)
+    bad, good = outputs["poisoned"][-1], outputs["healthy"][-1]
+    assert bad.finish_reason == "error" and "NaN" in bad.error and len(bad.token_ids) == 2
+    assert good.finish_reason == "length" and len(good.token_ids) == 8 and good.error is None
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
+
+
+def test_priority_runs_lower_values_first(tiny_model_dir):
+    llm = LLM(tiny_model_dir, max_model_len=64, max_num_seqs=1, kv_cache_bytes=1 << 20, device="cpu")
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    llm.add_request("background", [1, 2], params, priority=10)
+    llm.add_request("urgent", [1, 3], params, priority=-5)
+    llm.add_request("normal", [1, 4], params)
+    finished = [o.request_id for o in _finished_in_order(llm)]
+    assert finished == ["urgent", "normal", "background"]
+
+
+def _finished_in_order(llm: LLM) -> list:
+    done = []
+    while llm.has_unfinished_requests():
+        done += [o for o in llm.step() if o.finished]
+    return done
+
+
+def test_logprobs_and_prefix_cache_stats(llm):
+    prompt = list(range(10, 60))
+    params = SamplingParams(max_tokens=3, logprobs=2, **GREEDY)
+    first = llm.generate(prompt, params)[0]
+    second = llm.generate(prompt, params)[0]
+    assert second.token_ids == first.token_ids
+    assert second.num_cached_tokens == 48
+    assert all(
+        len(lp) in (2, 3) and tok in lp for lp, tok in zip(first.logprobs, first.token_ids, strict=True)
+    )
+    stats = llm.stats()
+    assert 0 < stats.prefix_cache_hit_rate <= 1 and stats.num_running == stats.num_waiting == 0
+
+
+def test_engine_config_refuses_bad_settings(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"^max_num_seqs:"):
+        EngineConfig(model=str(tiny_model_dir), max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_fraction:"):
+        EngineConfig(model=str(tiny_model_dir), kv_cache_memory_fraction=1.5)
+    with pytest.raises(ValueError, match=r"^model:"):
+        EngineConfig(model=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"^max_num_batched_tokens:"):
+        EngineConfig(model=str(tiny_model_dir), enable_chunked_prefill=False, max_model_len=4096)
+    with pytest.raises(ValueError, match=r"^no_such_setting:"):
+        LLM(tiny_model_dir, no_such_setting=1)
+    with pytest.raises(ValueError, match=r"^max_model_len:"):
+        LLM(tiny_model_dir, max_model_len=10**6)
