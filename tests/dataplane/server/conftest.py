@@ -94,13 +94,19 @@ def tiny_model_v2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def fleet(tiny_model_dir, tiny_model_v2_dir, tmp_path_factory) -> Iterator[LiveServer]:
     """One server for most end-to-end tests: model `tiny` with two preloaded versions (50/50, sticky by
-    user), a lazy model `lazy`, and a model `broken` whose artifact does not exist."""
+    user), a lazy model `lazy`, a model `shadowed` mirroring all traffic to a second version, and a model
+    `broken` whose artifact does not exist."""
     engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
     extra = f"""
   - name: lazy
     engine: {{{engine}}}
     versions:
       - {{name: only, weight: 100, artifact: "{tiny_model_dir}"}}
+  - name: shadowed
+    engine: {{{engine}}}
+    versions:
+      - {{name: a, weight: 100, artifact: "{tiny_model_dir}"}}
+      - {{name: b, weight: 0, artifact: "{tiny_model_v2_dir}", shadow_percent: 100}}
   - name: broken
     versions:
       - {{name: v1, weight: 100, artifact: "{tiny_model_dir.parent / "missing"}"}}

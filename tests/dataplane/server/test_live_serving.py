@@ -216,3 +216,31 @@ def test_metrics_names(fleet):
         assert f"\n{name}{{" in text, name
     assert metric_value(text, "modelfleet_requests_total", model="tiny", version="v1", status="200") >= 1
     assert metric_value(text, "modelfleet_generation_tokens_total", model="tiny", version="v1") >= 1
+
+
+def test_sticky_user_keeps_its_version(fleet):
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0, timeout=60)
+    seen = {}
+    for user in ("alice", "bob", "carol", "dave"):
+        versions = {
+            client.completions.with_raw_response.create(
+                model="tiny", prompt="x", max_tokens=1, user=user
+            ).headers["x-modelfleet-version"]
+            for _ in range(5)
+        }
+        assert len(versions) == 1, (user, versions)
+        seen[user] = versions.pop()
+
+
+def test_shadow_copies_are_run_and_recorded_apart(fleet):
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=0, timeout=60)
+    for _ in range(3):
+        raw = client.completions.with_raw_response.create(model="shadowed", prompt="x", max_tokens=2)
+        assert raw.headers["x-modelfleet-version"] == "a"
+    deadline = time.monotonic() + 30
+    while metric_value(scrape(fleet), "modelfleet_shadow_requests_total", version="b", status="ok") < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    text = scrape(fleet)
+    assert metric_value(text, "modelfleet_requests_total", model="shadowed", version="b", status="200") == 0
+    assert metric_value(text, "modelfleet_shadow_e2e_request_latency_seconds_count", version="b") >= 3

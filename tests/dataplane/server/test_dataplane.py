@@ -1,0 +1,122 @@
+"""The DataPlane facade without HTTP, over a scripted engine: the paths a real tiny model cannot be made
+to take on demand (an engine failure inside one request) and the fan-out of `n`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.manifest import single_model_manifest
+from modelfleet.dataplane.server.app import create_app
+from modelfleet.dataplane.server.auth import ANONYMOUS
+from modelfleet.dataplane.server.dataplane import RequestContext
+from modelfleet.dataplane.server.errors import EngineFailure
+from modelfleet.dataplane.server.protocol import CompletionRequest
+from modelfleet.dataplane.server.runtime import build_dataplane
+from modelfleet.dataplane.server.settings import ServerSettings
+
+POISON = 13  # a prompt holding this token fails inside the scripted engine after two tokens
+
+
+class Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 50 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def __len__(self) -> int:
+        return 50
+
+
+class ScriptedEngine:
+    """Emits one token per step; records the parameters it was given."""
+
+    max_model_len = 64
+
+    def __init__(self) -> None:
+        self.tokenizer = Tokenizer()
+        self.seen_seeds: list[int | None] = []
+
+    async def generate(self, prompt, params, request_id=None, priority=0):
+        self.seen_seeds.append(params.seed)
+        ids: list[int] = []
+        for step in range(params.max_tokens):
+            await asyncio.sleep(0.001)
+            if POISON in prompt and step == 2:
+                yield RequestOutput(
+                    request_id, prompt, finish_reason="error", finished=True, error="NaN logits"
+                )
+                return
+            token = (len(prompt) + step) % 50
+            ids.append(token)
+            last = step == params.max_tokens - 1
+            yield RequestOutput(
+                request_id,
+                prompt,
+                token_ids=list(ids),
+                new_token_ids=[token],
+                new_text=self.tokenizer.decode([token]),
+                finish_reason="length" if last else None,
+                finished=last,
+            )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0.0, 0.0, 100, 100)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+async def dataplane():
+    engine = ScriptedEngine()
+    dp = build_dataplane(ServerSettings(), loader=lambda spec: engine, estimate_bytes=lambda spec: 0)
+    dp.apply_manifest(single_model_manifest("/models/m", name="m"))
+    dp.engine = engine
+    yield dp
+    await dp.close()
+
+
+def ctx() -> RequestContext:
+    return RequestContext(principal=ANONYMOUS)
+
+
+async def test_engine_failure_fails_only_that_request(dataplane):
+    bad = await dataplane.completion(CompletionRequest(model="m", prompt=[1, POISON], max_tokens=5), ctx())
+    good = await dataplane.completion(CompletionRequest(model="m", prompt=[1, 2], max_tokens=5), ctx())
+    results = await asyncio.gather(bad.response(), good.response(), return_exceptions=True)
+    assert isinstance(results[0], EngineFailure)
+    assert results[0].status == 500 and "NaN logits" in results[0].message
+    assert results[1].choices[0].finish_reason == "length"
+    assert results[1].usage.completion_tokens == 5
+    text = dataplane.metrics.render().decode()
+    assert 'modelfleet_requests_total{model="m",status="500",version="v1"} 1.0' in text
+    assert 'modelfleet_requests_total{model="m",status="200",version="v1"} 1.0' in text
+    assert dataplane.manager.slots[("m", "v1")].in_flight == 0  # the lease was released either way
+
+
+async def test_n_fans_out_with_distinct_seeds(dataplane):
+    request = CompletionRequest(model="m", prompt=["ab", "cde"], max_tokens=3, n=2, seed=10)
+    answer = await (await dataplane.completion(request, ctx())).response()
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    assert sorted(dataplane.engine.seen_seeds) == [10, 10, 11, 11]
+    assert answer.usage.prompt_tokens == (2 + 3) * 2
+    assert answer.usage.completion_tokens == 12
+
+
+async def test_failure_mid_stream_is_reported_in_the_stream(dataplane):
+    app = create_app(dataplane)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        body = {"model": "m", "prompt": [1, POISON], "max_tokens": 5, "stream": True}
+        response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 200  # the first tokens went out before the failure
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_error" and "NaN logits" in error["message"]
+    assert len(events) == 4  # two token chunks, the error, [DONE]
