@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,63 @@ def test_control_plane_image_exposes_the_charts_ports() -> None:
         for port in rest.split()
     }
     assert {CHART_VALUES["controlPlane"]["port"], CHART_VALUES["operator"]["metricsPort"]} <= exposed
+
+
+def test_the_build_context_makes_a_complete_package(tmp_path: Path) -> None:
+    """What the Dockerfiles COPY is enough to build the package, and the wheel holds every module and
+    data file of those folders (migrations included): the images install exactly this."""
+    context = tmp_path / "context"
+    copied = [
+        source
+        for keyword, rest in instructions(DOCKERFILES["dataplane"])
+        if keyword == "COPY" and not rest.startswith("--from")
+        for source in rest.split()[:-1]
+    ]
+    assert copied == [
+        source
+        for keyword, rest in instructions(DOCKERFILES["controlplane"])
+        if keyword == "COPY" and not rest.startswith("--from")
+        for source in rest.split()[:-1]
+    ], "both images install the same package: copy the same sources"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    context.mkdir()
+    for source in copied:
+        if (ROOT / source).is_dir():
+            shutil.copytree(ROOT / source, context / source, ignore=skip)
+        else:
+            shutil.copy2(ROOT / source, context / source)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=context,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("modelfleet-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "modelfleet = modelfleet.cli.commands:main" in archive.read(entry_points).decode()
+    for folder in ("cli", "dataplane", "converters", "operator", "controlplane"):
+        for path in (ROOT / folder).rglob("*"):
+            if "__pycache__" in path.parts or not path.is_file():
+                continue
+            if path.suffix in {".py", ".ini", ".mako", ".txt"}:
+                inside = f"modelfleet/{path.relative_to(ROOT).as_posix()}"
+                assert inside in names, f"{inside} is missing from the wheel the images install"
+    assert not any(name.startswith("operator/") for name in names), (
+        "a top-level `operator` would shadow the stdlib"
+    )
