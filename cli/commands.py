@@ -16,7 +16,9 @@ from modelfleet.cli import __version__
 SUBCOMMANDS = {
     "demo": "modelfleet.dataplane.demo.cli",
     "crds": "modelfleet.operator.crdgen",
+    "operator": "modelfleet.operator.main",
     "serve": "modelfleet.dataplane.server.cli",
+    "convert": "modelfleet.converters.cli",
     "controlplane": "modelfleet.controlplane.main",
 }
 

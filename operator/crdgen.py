@@ -22,14 +22,36 @@ from pydantic import BaseModel
 
 # The OpenAPI v3.0 keywords a CRD schema accepts (apiextensions JSONSchemaProps) that we emit.
 ALLOWED_KEYS = {
-    "description", "type", "format", "default", "enum", "nullable",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-    "minLength", "maxLength", "pattern", "minItems", "maxItems", "minProperties", "maxProperties",
-    "required", "properties", "items", "additionalProperties",
-    "x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
-    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-map-type", "x-kubernetes-int-or-string",
+    "description",
+    "type",
+    "format",
+    "default",
+    "enum",
+    "nullable",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "required",
+    "properties",
+    "items",
+    "additionalProperties",
+    "x-kubernetes-validations",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-map-type",
+    "x-kubernetes-int-or-string",
     "x-kubernetes-embedded-resource",
-}  # fmt: skip
+}
 _KEY_ORDER = ["description", "type", "format", "enum", "default", "required", "properties", "items"]
 
 HEADER = "# Generated from operator/api.py by `modelfleet crds --out crds`; do not edit by hand.\n"

@@ -31,3 +31,15 @@ def crd_files() -> dict[str, dict[str, Any]]:
 def schemas(crd_files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """openAPIV3Schema of each checked-in CRD, by kind."""
     return {kind: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"] for kind, crd in crd_files.items()}
+
+
+@pytest.fixture()
+def example_objects() -> dict[str, dict[str, Any]]:
+    """examples/model.yaml as the API server would return it: namespaced, with uid and generation."""
+    objects = {}
+    for index, doc in enumerate(yaml.safe_load_all((ROOT / "examples" / "model.yaml").read_text())):
+        doc["metadata"].update(
+            namespace="team-a", uid=f"00000000-0000-0000-0000-00000000000{index}", generation=1
+        )
+        objects[doc["metadata"]["name"]] = doc
+    return objects

@@ -19,13 +19,36 @@ from celpy import celtypes
 
 # Fields of JSONSchemaProps a structural schema may carry (no $ref, definitions, *Of, not, uniqueItems...).
 STRUCTURAL_KEYS = {
-    "description", "type", "format", "default", "enum", "nullable", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern",
-    "minItems", "maxItems", "minProperties", "maxProperties", "required", "properties", "items",
-    "additionalProperties", "x-kubernetes-validations", "x-kubernetes-list-type",
-    "x-kubernetes-list-map-keys", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-map-type",
-    "x-kubernetes-int-or-string", "x-kubernetes-embedded-resource",
-}  # fmt: skip
+    "description",
+    "type",
+    "format",
+    "default",
+    "enum",
+    "nullable",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "required",
+    "properties",
+    "items",
+    "additionalProperties",
+    "x-kubernetes-validations",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-map-type",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-embedded-resource",
+}
 TYPES = {"object", "array", "string", "integer", "number", "boolean"}
 
 

@@ -11,15 +11,23 @@ from modelfleet.operator.validation import InvalidResource, validate_inference_m
 def model(**spec_overrides) -> dict:
     spec = {"hardware": {"accelerator": "nvidia-l4"}, "traffic": [{"version": "v1", "weight": 100}]}
     spec.update(spec_overrides)
-    return {"apiVersion": "modelfleet.dev/v1alpha1", "kind": "InferenceModel", "metadata": {"name": "m"},
-            "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "modelfleet.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "m"},
+        "spec": spec,
+    }
 
 
 def version(**spec_overrides) -> dict:
     spec = {"model": "m", "version": "v1", "source": {"uri": "s3://bucket/m/v1"}}
     spec.update(spec_overrides)
-    return {"apiVersion": "modelfleet.dev/v1alpha1", "kind": "ModelVersion", "metadata": {"name": "m-v1"},
-            "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "modelfleet.dev/v1alpha1",
+        "kind": "ModelVersion",
+        "metadata": {"name": "m-v1"},
+        "spec": spec,
+    }
 
 
 def rejected(obj: dict) -> InvalidResource:

@@ -26,8 +26,12 @@ def test_checked_in_crds_match_the_models(repo_root):
 def test_check_flag_fails_on_stale_files_and_write_fixes_them(tmp_path):
     args = ["-c", "import sys; from modelfleet.cli.commands import main; sys.exit(main(sys.argv[1:]))"]
     (tmp_path / "inferencemodels.modelfleet.dev.yaml").write_text("stale: true\n")
-    check = subprocess.run([sys.executable, *args, "crds", "--out", str(tmp_path), "--check"],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, *args, "crds", "--out", str(tmp_path), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if "No module named" in check.stderr:
         pytest.fail(f"the CLI does not start: {check.stderr.strip().splitlines()[-1]}")
     assert check.returncode == 1

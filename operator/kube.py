@@ -1,0 +1,155 @@
+"""The operator's thin I/O edge to the Kubernetes API: get, list, server-side apply, delete, patch status.
+
+Plain dicts in and out over the kubernetes client's REST layer, one path table for the kinds we touch,
+so the same code runs against a real API server and the kmock emulator in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubernetes import client
+from modelfleet.operator.api import API_VERSION
+from modelfleet.operator.reconcile.names import FIELD_MANAGER
+
+PLURALS = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "Pod"): "pods",
+    ("apps/v1", "Deployment"): "deployments",
+    ("batch/v1", "Job"): "jobs",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    (API_VERSION, "InferenceModel"): "inferencemodels",
+    (API_VERSION, "ModelVersion"): "modelversions",
+}
+TIMEOUT = 30
+
+
+class KubeError(RuntimeError):
+    """An API call failed; `status` is the HTTP status (0 when the server could not be reached)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in (0, 409, 429) or self.status >= 500
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    plural = PLURALS[(api_version, kind)]
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+        self.api = api_client or client.ApiClient()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        method, url, headers, payload, post = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = self.api.call_api(
+                method, url, header_params=headers, body=payload, post_params=post, _request_timeout=TIMEOUT
+            )
+            raw = response.read()
+        except client.ApiException as exc:
+            raise KubeError(exc.status or 0, _message(exc.status or 0, exc.body, str(exc.reason))) from None
+        except OSError as exc:  # connection refused, DNS, TLS: the API server is not reachable
+            raise KubeError(0, f"{method} {path}: {exc}") from None
+        if not 200 <= response.status < 300:
+            raise KubeError(response.status, _message(response.status, raw, f"{method} {path}"))
+        return json.loads(raw) if raw else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", resource_path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, labels: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in labels.items()))] if labels else []
+        try:
+            items = self._call("GET", resource_path(api_version, kind, namespace), query=query).get(
+                "items", []
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return []
+            raise
+        # Filter again: a selector is a request to the server, and not every server honours it.
+        return [
+            i
+            for i in items
+            if all(i.get("metadata", {}).get("labels", {}).get(k) == v for k, v in (labels or {}).items())
+        ]
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply with our one field manager; force takes over fields we used to share."""
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        return self._call("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete if present; False when it was already gone."""
+        try:
+            self._call(
+                "DELETE",
+                resource_path(api_version, kind, namespace, name),
+                body={"propagationPolicy": "Background"},
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    def patch_status(
+        self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of the status subresource (None values remove keys)."""
+        path = resource_path(api_version, kind, namespace, name) + "/status"
+        return self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+
+
+def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:
+    """The merge patch turning status `old` into `new` (None when they are equal)."""
+    old = old or {}
+    if old == new:
+        return None
+    patch: dict[str, Any] = {key: value for key, value in new.items() if old.get(key) != value}
+    patch.update({key: None for key in old if key not in new})
+    return patch
+
+
+def _message(status: int, body: bytes | str | None, fallback: str) -> str:
+    """The API server's own message from a Status body, else the HTTP status."""
+    try:
+        message = json.loads(body or b"").get("message")
+    except (TypeError, ValueError, AttributeError):
+        message = None
+    return str(message) if message else f"{status} {fallback}"

@@ -1,0 +1,65 @@
+"""`modelfleet operator`: run the kopf operator for InferenceModel and ModelVersion.
+
+Replicas meet in a kopf peering object (MODELFLEET_OPERATOR_PEERING) so that only one acts at a time;
+`--standalone` skips peering for development and tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from modelfleet.operator.settings import get_settings
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+    from modelfleet.operator import handlers  # noqa: F401  (registers the handlers with kopf)
+    from modelfleet.operator.observability import REGISTRY, setup_tracing
+    from prometheus_client import start_http_server
+
+    settings = get_settings()
+    namespaces = [] if args.all_namespaces else (args.namespace or settings.namespaces)
+    standalone = args.standalone or settings.operator_standalone
+    peering = args.peering or settings.operator_peering
+    level = getattr(logging, settings.log_level.upper(), None)
+    if not isinstance(level, int):
+        print(
+            f"error: MODELFLEET_LOG_LEVEL={settings.log_level!r} is not a log level; use info or debug",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.operator_metrics_port:
+        start_http_server(settings.operator_metrics_port, registry=REGISTRY)
+    setup_tracing()
+    health = settings.operator_health_port
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=True if standalone else None,
+        peering_name=None if standalone else peering,
+        liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
+    )
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "operator", help="run the Kubernetes operator (InferenceModel and ModelVersion controllers)"
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        metavar="NS",
+        help="serve this namespace (repeatable); default: MODELFLEET_OPERATOR_NAMESPACES, else all",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    parser.add_argument("--peering", help="kopf peering name (default: MODELFLEET_OPERATOR_PEERING)")
+    parser.add_argument(
+        "--standalone", action="store_true", help="run without peering (one replica only; development)"
+    )
+    parser.set_defaults(func=_run)

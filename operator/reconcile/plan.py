@@ -1,0 +1,68 @@
+"""Everything an InferenceModel should own, as one plan: objects to apply and objects to remove."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modelfleet.operator.api import InferenceModelSpec
+from modelfleet.operator.reconcile import names, serving
+from modelfleet.operator.reconcile.traffic import PlannedVersion, VersionView
+from modelfleet.operator.settings import OperatorSettings
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    api_version: str
+    kind: str
+    namespace: str
+    name: str
+
+
+@dataclass
+class ServingPlan:
+    apply: list[dict[str, Any]] = field(default_factory=list)
+    remove: list[ObjectRef] = field(default_factory=list)
+
+
+def version_views(model_versions: list[dict[str, Any]], model_name: str) -> dict[str, VersionView]:
+    """The model's ModelVersions by spec.version (objects of other models are ignored)."""
+    views = {}
+    for mv in model_versions:
+        spec, status = mv.get("spec", {}), mv.get("status") or {}
+        if spec.get("model") != model_name:
+            continue  # a version being deleted still serves: its finalizer waits for traffic to leave it
+        ready = next((c for c in status.get("conditions", []) if c.get("type") == "Ready"), {})
+        views[spec["version"]] = VersionView(
+            name=spec["version"],
+            resource_name=mv["metadata"]["name"],
+            phase=status.get("phase"),
+            quantization=spec.get("quantization", "none"),
+            artifacts=list(status.get("artifacts", [])),
+            message=ready.get("message", ""),
+        )
+    return views
+
+
+def serving_plan(
+    im: dict[str, Any], spec: InferenceModelSpec, planned: list[PlannedVersion], settings: OperatorSettings
+) -> ServingPlan:
+    model, namespace = im["metadata"]["name"], im["metadata"]["namespace"]
+    manifest = serving.render_manifest(model, spec, planned)
+    plan = ServingPlan(
+        apply=[
+            serving.manifest_configmap(im, manifest),
+            serving.deployment(im, spec, settings),
+            serving.service(im, settings),
+        ]
+    )
+    optional = [
+        ("autoscaling/v2", "HorizontalPodAutoscaler", serving.autoscaler(im, spec, settings)),
+        ("policy/v1", "PodDisruptionBudget", serving.disruption_budget(im, spec)),
+    ]
+    for api_version, kind, obj in optional:
+        if obj is not None:
+            plan.apply.append(obj)
+        else:
+            plan.remove.append(ObjectRef(api_version, kind, namespace, names.serving_name(model)))
+    return plan

@@ -1,0 +1,69 @@
+"""Operator settings: one pydantic-settings class, environment prefix MODELFLEET_ (names match the chart)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _split(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+class OperatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MODELFLEET_", extra="ignore")
+
+    # The operator process itself.
+    operator_peering: str = Field(default="modelfleet", description="kopf peering object name")
+    operator_standalone: bool = Field(default=False, description="run without peering (development only)")
+    operator_namespaces: str = Field(default="", description="comma-separated; empty: all namespaces")
+    operator_metrics_port: int = Field(default=9090, ge=0, le=65535, description="0: no metrics server")
+    operator_health_port: int = Field(default=8080, ge=0, le=65535, description="0: no liveness endpoint")
+    log_level: str = "info"
+    resync_seconds: float = Field(default=60.0, gt=0, description="periodic re-reconcile of every resource")
+
+    # What goes into the pods the operator creates.
+    dataplane_image: str = "ghcr.io/modelfleet/modelfleet:0.1.0"
+    dataplane_image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")
+    dataplane_image_pull_secrets: str = Field(default="", description="comma-separated Secret names")
+    dataplane_api_keys_secret: str = Field(default="", description="Secret with the data plane's API keys")
+    dataplane_port: int = Field(default=8000, ge=1, le=65535)
+    dataplane_termination_grace_seconds: int = Field(
+        default=120, ge=1, description="long enough for the longest stream to finish"
+    )
+    dataplane_otlp_endpoint: str = ""
+    dataplane_cpu: str = "2"
+    dataplane_memory: str = "16Gi"
+
+    # The HorizontalPodAutoscaler (when replicas.max > replicas.min).
+    hpa_metric: str = Field(default="modelfleet_num_requests_waiting", description="a per-pod metric")
+    hpa_target_average: str = Field(default="4", description="target average of hpa_metric per pod")
+
+    # Conversion Jobs.
+    conversion_backoff_limit: int = Field(default=2, ge=0, le=10)
+    conversion_deadline_seconds: int = Field(default=4 * 3600, ge=60)
+    conversion_cpu: str = "4"
+    conversion_memory: str = "32Gi"
+
+    # The model store: a PersistentVolumeClaim in each namespace, mounted at the same path everywhere.
+    model_store_claim: str = "modelfleet-models"
+    model_store_path: str = "/models"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return _split(self.operator_namespaces)
+
+    @property
+    def image_pull_secrets(self) -> list[str]:
+        return _split(self.dataplane_image_pull_secrets)
+
+    @property
+    def artifacts_root(self) -> str:
+        return f"{self.model_store_path.rstrip('/')}/artifacts"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> OperatorSettings:
+    return OperatorSettings()

@@ -1,0 +1,215 @@
+"""Reconcile loops: read the world through `Kube`, decide with `reconcile.*`, write the difference.
+
+Each function reads everything it needs fresh, so calling it again (from a timer, a child's event, or a
+retry) converges on the same state; applying unchanged objects and patching an unchanged status are
+both no-ops, so nothing loops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from modelfleet.operator.api import API_VERSION, InferenceModel
+from modelfleet.operator.kube import Kube, status_patch
+from modelfleet.operator.reconcile import conversion, names
+from modelfleet.operator.reconcile.conditions import condition, merge_conditions, now_rfc3339
+from modelfleet.operator.reconcile.model_status import invalid_spec_status, model_status
+from modelfleet.operator.reconcile.plan import serving_plan, version_views
+from modelfleet.operator.reconcile.serving import endpoint
+from modelfleet.operator.reconcile.targets import TargetError, resolve_targets
+from modelfleet.operator.reconcile.traffic import plan_traffic
+from modelfleet.operator.reconcile.version_status import version_status
+from modelfleet.operator.settings import OperatorSettings
+from modelfleet.operator.validation import InvalidResource, validate_inference_model, validate_model_version
+
+log = logging.getLogger(__name__)
+Clock = Callable[[], str]
+Recorder = Callable[[dict[str, Any], str, str, str], None]  # (object, Normal|Warning, reason, message)
+
+
+def _no_events(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    return None
+
+
+@dataclass
+class Context:
+    kube: Kube
+    settings: OperatorSettings
+    logger: logging.Logger | logging.LoggerAdapter = log
+    clock: Clock = now_rfc3339
+    record: Recorder = _no_events  # posts a Kubernetes Event about an object
+
+    def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        log_level = logging.WARNING if type_ == "Warning" else logging.INFO
+        # k8s_skip: kopf's object logger would post this line as an Event of the handled object too.
+        text = f"{obj.get('kind')} {obj['metadata']['name']}: {message}"
+        self.logger.log(log_level, text, extra={"k8s_skip": True})
+        self.record(obj, type_, reason, message)
+
+
+def _write_status(ctx: Context, obj: dict[str, Any], new: dict[str, Any]) -> bool:
+    patch = status_patch(obj.get("status"), new)
+    if patch is None:
+        return False
+    meta = obj["metadata"]
+    ctx.kube.patch_status(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch)
+    obj["status"] = new
+    return True
+
+
+# --- ModelVersion ----------------------------------------------------------------------------------------
+
+
+def reconcile_version(ctx: Context, mv: dict[str, Any], accelerator: str | None) -> dict[str, Any]:
+    """Create the missing conversion Jobs of `mv`, read their outcomes, write its status; returns it."""
+    meta = mv["metadata"]
+    namespace, generation = meta["namespace"], meta.get("generation")
+    try:
+        version = validate_model_version(mv)
+    except InvalidResource as exc:
+        targets: Any = TargetError("InvalidSpec", str(exc))
+        version = None
+    else:
+        try:
+            targets = resolve_targets(version.spec, accelerator)
+        except TargetError as exc:
+            targets = exc
+    outcomes = {}
+    if version is not None and not isinstance(targets, TargetError):
+        jobs = {
+            j["metadata"].get("labels", {}).get(names.LABEL_TARGET): j
+            for j in ctx.kube.list("batch/v1", "Job", namespace, {names.LABEL_VERSION: meta["name"]})
+        }
+        for target in targets:
+            slug = names.target_slug(target)
+            job = jobs.get(slug)
+            if job is None and meta.get("deletionTimestamp"):
+                outcomes[slug] = conversion.JobOutcome("missing")
+                continue
+            if job is None:
+                # Jobs are immutable once created; create only the missing ones.
+                job = ctx.kube.apply(conversion.conversion_job(mv, version, target, ctx.settings))
+                ctx.event(
+                    mv, "Normal", "ConversionStarted", f"created Job {job['metadata']['name']} for {slug}"
+                )
+            pods = []
+            if _job_finished(job):
+                pods = ctx.kube.list("v1", "Pod", namespace, {"job-name": job["metadata"]["name"]})
+            outcomes[slug] = conversion.job_outcome(job, pods, target)
+    status = version_status(
+        generation=generation,
+        targets=targets,
+        outcomes=outcomes,
+        old_status=mv.get("status"),
+        now=ctx.clock(),
+    )
+    before = (mv.get("status") or {}).get("phase")
+    if _write_status(ctx, mv, status) and before != status["phase"]:
+        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+        type_ = "Warning" if status["phase"] == "Failed" else "Normal"
+        ctx.event(
+            mv, type_, ready["reason"], f"phase {before or 'none'} -> {status['phase']}: {ready['message']}"
+        )
+    return status
+
+
+def _job_finished(job: dict[str, Any]) -> bool:
+    return any(
+        c.get("type") in ("Complete", "Failed", "SuccessCriteriaMet") and c.get("status") == "True"
+        for c in job.get("status", {}).get("conditions", []) or []
+    )
+
+
+def traffic_holders(kube: Kube, mv: dict[str, Any]) -> list[str]:
+    """Names of the InferenceModels whose spec.traffic still lists this version."""
+    spec = mv.get("spec", {})
+    models = kube.list(API_VERSION, "InferenceModel", mv["metadata"]["namespace"])
+    return [
+        m["metadata"]["name"]
+        for m in models
+        if m["metadata"]["name"] == spec.get("model")
+        and not m["metadata"].get("deletionTimestamp")
+        and any(t.get("version") == spec.get("version") for t in m.get("spec", {}).get("traffic", []))
+    ]
+
+
+def mark_in_use(ctx: Context, mv: dict[str, Any], holders: list[str]) -> None:
+    """The condition that explains why a deleted version is still there."""
+    generation = mv["metadata"].get("generation")
+    version = mv.get("spec", {}).get("version")
+    message = (
+        f"InferenceModel {', '.join(holders)} still lists version {version!r} in spec.traffic; "
+        "remove it there to finish the deletion"
+    )
+    old = mv.get("status") or {}
+    in_use = condition("InUse", True, "TrafficStillRouted", message, generation)
+    others = [c for c in old.get("conditions", []) if c.get("type") != "InUse"]
+    kept = [c for c in old.get("conditions", []) if c.get("type") == "InUse"]
+    if _write_status(ctx, mv, {**old, "conditions": others + merge_conditions(kept, [in_use], ctx.clock())}):
+        ctx.event(mv, "Warning", "TrafficStillRouted", message)
+
+
+# --- InferenceModel --------------------------------------------------------------------------------------
+
+
+def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
+    """Reconcile the model's versions, apply its serving objects, write its status; returns the status."""
+    meta = im["metadata"]
+    namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+    try:
+        model: InferenceModel = validate_inference_model(im)
+    except InvalidResource as exc:
+        status = invalid_spec_status(
+            generation=generation, message=str(exc), old_status=im.get("status"), now=ctx.clock()
+        )
+        _write_status(ctx, im, status)
+        raise
+    accelerator = model.spec.hardware.accelerator
+    mvs = [
+        mv
+        for mv in ctx.kube.list(API_VERSION, "ModelVersion", namespace)
+        if mv.get("spec", {}).get("model") == name
+    ]
+    for mv in mvs:
+        reconcile_version(ctx, mv, accelerator)
+    planned = plan_traffic(model.spec, version_views(mvs, name), ctx.settings)
+    plan = serving_plan(im, model.spec, planned, ctx.settings)
+    for obj in plan.apply:
+        ctx.kube.apply(obj)
+    for ref in plan.remove:
+        if ctx.kube.delete(ref.api_version, ref.kind, ref.namespace, ref.name):
+            ctx.event(
+                im, "Normal", "Deleted", f"deleted {ref.kind} {ref.name}: replicas.min/max no longer need it"
+            )
+    deploy = ctx.kube.get("apps/v1", "Deployment", namespace, names.serving_name(name))
+    status = model_status(
+        generation=generation,
+        planned=planned,
+        deploy=deploy,
+        endpoint=endpoint(im, ctx.settings),
+        old_status=im.get("status"),
+        now=ctx.clock(),
+    )
+    before = (im.get("status") or {}).get("traffic")
+    if _write_status(ctx, im, status) and before != status["traffic"]:
+        message = f"serving traffic {status['traffic'] or 'none'} (requested: {_requested(model)})"
+        ctx.event(im, "Normal", "TrafficUpdated", message)
+    return status
+
+
+def _requested(model: InferenceModel) -> str:
+    return ",".join(f"{t.version}={t.weight}" for t in model.spec.traffic)
+
+
+def reconcile_model_of_version(ctx: Context, mv: dict[str, Any]) -> None:
+    """After a version or its Job changed: reconcile its model, or the version alone if it has none."""
+    namespace = mv["metadata"]["namespace"]
+    model_name = mv.get("spec", {}).get("model")
+    im = ctx.kube.get(API_VERSION, "InferenceModel", namespace, model_name) if model_name else None
+    if im is not None and not im["metadata"].get("deletionTimestamp"):
+        reconcile_model(ctx, im)
+        return
+    reconcile_version(ctx, mv, None)

@@ -1,0 +1,305 @@
+"""The operator against a real API server: kubectl apply -f examples/model.yaml -> Jobs, serving objects,
+status, traffic changes without pod restarts, and clean-up.
+
+Needs KUBECONFIG pointing at a cluster (v1.30 or newer) with kube-controller-manager (its Job controller
+and garbage collector do their real work here) where the current user is an administrator. No node is
+needed: where no node runs pods, the test completes each conversion itself by patching the status of
+the Job's pod (phase Succeeded, the container terminated with the artifact summary as its message), as
+a kubelet would; the real Job controller and the operator take it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+EXAMPLE = ROOT / "examples" / "model.yaml"
+BAD = ROOT / "examples" / "bad"
+CRD_NAMES = ("inferencemodels.modelfleet.dev", "modelversions.modelfleet.dev")
+JOBS = {
+    "v1": ["chat-v1-convert-nvidia-h100-torch-bf16"],
+    "v2": ["chat-v2-convert-nvidia-h100-torch-bf16", "chat-v2-convert-nvidia-h100-torch-fp8"],
+}
+
+pytestmark = [
+    pytest.mark.skipif(
+        not os.environ.get("KUBECONFIG"),
+        reason="KUBECONFIG is not set: no Kubernetes cluster to test against",
+    ),
+    pytest.mark.timeout(600),
+]
+
+
+@pytest.fixture()
+def crds(cluster_kubectl, wait) -> None:
+    """Our CRDs, installed (or updated) from crds/ and established."""
+    cluster_kubectl.run("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
+    for name in CRD_NAMES:
+        cluster_kubectl.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+
+
+@pytest.fixture()
+def operator(namespace, crds) -> Iterator[Path]:
+    """`modelfleet operator` for the test namespace, in a subprocess; yields its log file."""
+    log = Path(tempfile.mkstemp(prefix="modelfleet-operator-", suffix=".log")[1])
+    env = {
+        **os.environ,
+        "MODELFLEET_OPERATOR_METRICS_PORT": "0",
+        "MODELFLEET_OPERATOR_HEALTH_PORT": "0",
+        "MODELFLEET_RESYNC_SECONDS": "5",
+        "MODELFLEET_DATAPLANE_IMAGE": "registry.example/modelfleet:e2e",
+    }
+    command = [str(Path(sys.executable).parent / "modelfleet"), "operator", "--standalone", "-n", namespace]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        yield log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.unlink(missing_ok=True)
+
+
+def test_bad_examples_are_refused_by_the_api_server(namespace, kubectl, crds):
+    """The CRD schema and its CEL rules, enforced by a real API server, name the field."""
+    expected = {
+        "weights-sum-90.yaml": "spec.traffic",
+        "duplicate-version.yaml": "spec.traffic",
+        "unknown-accelerator.yaml": "spec.hardware.accelerator",
+        "replicas-min-above-max.yaml": "spec.replicas",
+        "bad-uri-scheme.yaml": "spec.source.uri",
+        "missing-source.yaml": "spec.source",
+    }
+    for name, field in expected.items():
+        result = kubectl.run("apply", "-f", str(BAD / name), check=False)
+        assert result.returncode != 0, f"{name} was accepted"
+        assert field in result.stderr, f"{name}: {result.stderr}"
+
+
+def pod_summary(job: str) -> dict:
+    version = job.split("-convert-")[0].removeprefix("chat-")
+    slug = job.split("-convert-")[1]
+    accelerator, fmt, dtype = "nvidia-h100", slug.split("-")[-2], slug.split("-")[-1]
+    return {
+        "ok": True,
+        "accelerator": accelerator,
+        "format": fmt,
+        "dtype": dtype,
+        "uri": f"pvc://modelfleet-models/artifacts/chat/{version}/{slug}",
+        "sha256": "0" * 64,
+        "sizeBytes": 1024,
+        "validation": {"maxLogitDiff": 0.0, "top1Agreement": 1.0},
+    }
+
+
+def complete_conversion(kubectl, wait, job: str, logs) -> None:
+    """Do what a kubelet would: the Job's pod ran, and its container left the summary as its message."""
+    pod = wait(
+        f"a pod of Job {job}", lambda: kubectl.get("pods", None, "-l", f"job-name={job}"), on_fail=logs
+    )[0]
+    now = "2026-01-01T00:00:00Z"
+    container = pod["spec"]["containers"][0]
+    status = {
+        "status": {
+            "phase": "Succeeded",
+            "startTime": now,
+            "containerStatuses": [
+                {
+                    "name": container["name"],
+                    "image": container["image"],
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "started": False,
+                    "state": {
+                        "terminated": {
+                            "exitCode": 0,
+                            "reason": "Completed",
+                            "message": json.dumps(pod_summary(job)),
+                            "startedAt": now,
+                            "finishedAt": now,
+                        }
+                    },
+                }
+            ],
+        }
+    }
+    kubectl.run(
+        "patch",
+        "pod",
+        pod["metadata"]["name"],
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(status),
+    )
+
+
+def condition(obj: dict | None, type_: str) -> tuple[str, str] | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions", []):
+        if cond["type"] == type_:
+            return cond["status"], cond["reason"]
+    return None
+
+
+def manifest_of(kubectl) -> dict | None:
+    cm = kubectl.get("configmap", "chat-manifest")
+    return yaml.safe_load(cm["data"]["manifest.yaml"]) if cm else None
+
+
+def weights(kubectl) -> dict[str, int] | None:
+    manifest = manifest_of(kubectl)
+    if not manifest or not manifest.get("models"):
+        return None
+    return {v["name"]: v["weight"] for v in manifest["models"][0]["versions"]}
+
+
+def test_model_yaml_to_serving_objects_traffic_and_clean_up(namespace, kubectl, operator, wait):
+    logs = lambda: "operator log (tail):\n" + operator.read_text()[-4000:]  # noqa: E731
+    kubectl.run("apply", "-f", str(EXAMPLE))
+
+    # Conversion Jobs, one per target, owned by their ModelVersion.
+    for names in JOBS.values():
+        for job in names:
+            found = wait(f"Job {job}", lambda job=job: kubectl.get("job", job), on_fail=logs)
+            assert found["metadata"]["ownerReferences"][0]["kind"] == "ModelVersion"
+            assert found["spec"]["template"]["spec"]["containers"][0]["command"][:2] == [
+                "modelfleet",
+                "convert",
+            ]
+
+    # The serving objects exist before any version is ready; nothing is served yet.
+    deploy = wait("Deployment chat", lambda: kubectl.get("deployment", "chat"), on_fail=logs)
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/modelfleet:e2e"
+    assert (
+        deploy["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
+        == "NVIDIA-H100-80GB-HBM3"
+    )
+    service = wait("Service chat", lambda: kubectl.get("service", "chat"), on_fail=logs)
+    assert service["spec"]["ports"][0]["port"] == 8000
+    assert wait("ConfigMap chat-manifest", lambda: manifest_of(kubectl), on_fail=logs) == {"models": []}
+    wait("HPA chat (replicas 1..3)", lambda: kubectl.get("hpa", "chat"), on_fail=logs)
+    im = wait("status of chat", lambda: (kubectl.get("im", "chat") or {}).get("status"), on_fail=logs)
+    assert im["endpoint"] == f"http://chat.{namespace}.svc:8000/v1"
+    assert wait(
+        "Ready=False VersionNotReady",
+        lambda: condition(kubectl.get("im", "chat"), "Ready") == ("False", "VersionNotReady"),
+        on_fail=logs,
+    )
+    assert wait(
+        "v2 Converting",
+        lambda: (kubectl.get("mv", "chat-v2").get("status") or {}).get("phase") == "Converting",
+    )
+
+    # v1 converted: all traffic goes to v1 (v2 has nothing to serve yet) and the status says why.
+    complete_conversion(kubectl, wait, JOBS["v1"][0], logs)
+    wait(
+        "Job controller marks v1's Job complete",
+        lambda: condition(kubectl.get("job", JOBS["v1"][0]), "Complete"),
+    )
+    wait(
+        "v1 Ready",
+        lambda: (kubectl.get("mv", "chat-v1").get("status") or {}).get("phase") == "Ready",
+        on_fail=logs,
+    )
+    assert wait("manifest v1=100", lambda: weights(kubectl) == {"v1": 100}, on_fail=logs)
+    im = kubectl.get("im", "chat")
+    assert im["status"]["traffic"] == "v1=100,v2=0"
+    assert condition(im, "Degraded") == ("True", "VersionNotReady")
+
+    # v2 converted too: the requested 90/10 split is served.
+    for job in JOBS["v2"]:
+        complete_conversion(kubectl, wait, job, logs)
+    assert wait("manifest v1=90 v2=10", lambda: weights(kubectl) == {"v1": 90, "v2": 10}, on_fail=logs)
+    wait(
+        "Degraded=False", lambda: condition(kubectl.get("im", "chat"), "Degraded") == ("False", "AsExpected")
+    )
+    artifacts = kubectl.get("mv", "chat-v2")["status"]["artifacts"]
+    assert sorted(a["dtype"] for a in artifacts) == ["bf16", "fp8"]
+    # No node runs the data-plane pods, so the model is not Ready, and says so.
+    assert condition(kubectl.get("im", "chat"), "Ready") == ("False", "PodsNotReady")
+
+    # A traffic change rewrites the ConfigMap only: the pod template (and so every pod) stays.
+    before = kubectl.get("deployment", "chat")
+    kubectl.run(
+        "patch",
+        "im",
+        "chat",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"traffic": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}]}}),
+    )
+    assert wait("manifest v1=50 v2=50", lambda: weights(kubectl) == {"v1": 50, "v2": 50}, on_fail=logs)
+    wait(
+        "status traffic",
+        lambda: kubectl.get("im", "chat")["status"]["traffic"] == "v1=50,v2=50",
+        on_fail=logs,
+    )
+    after = kubectl.get("deployment", "chat")
+    assert after["spec"]["template"] == before["spec"]["template"]
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+
+    # Printer columns.
+    table = kubectl.run("get", "im").stdout
+    for column in ("ACCELERATOR", "TRAFFIC", "READY", "ENDPOINT", "AGE", "nvidia-h100", "v1=50,v2=50"):
+        assert column in table
+    assert "Ready" in kubectl.run("get", "mv").stdout
+
+    # A version's spec is immutable: the API server itself refuses the edit.
+    edit = kubectl.run(
+        "patch",
+        "mv",
+        "chat-v1",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"source": {"uri": "pvc://models/chat/other"}}}),
+        check=False,
+    )
+    assert edit.returncode != 0 and "spec is immutable" in edit.stderr
+
+    # A version still in traffic is kept by the finalizer, and says why, until traffic leaves it.
+    kubectl.run("delete", "mv", "chat-v2", "--wait=false")
+    held = wait("InUse on chat-v2", lambda: condition(kubectl.get("mv", "chat-v2"), "InUse"), on_fail=logs)
+    assert held == ("True", "TrafficStillRouted")
+    kubectl.run(
+        "patch",
+        "im",
+        "chat",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"traffic": [{"version": "v1", "weight": 100}]}}),
+    )
+    wait("chat-v2 gone", lambda: kubectl.get("mv", "chat-v2") is None, on_fail=logs)
+
+    # A deleted child comes back.
+    kubectl.run("delete", "service", "chat")
+    wait("Service chat re-created", lambda: kubectl.get("service", "chat"), on_fail=logs)
+
+    # Deleting the resources removes everything they own (garbage collection through owner references).
+    kubectl.run("delete", "-f", str(EXAMPLE), "--ignore-not-found", "--wait=false")
+    for kind, name in [
+        ("deployment", "chat"),
+        ("service", "chat"),
+        ("configmap", "chat-manifest"),
+        ("hpa", "chat"),
+        ("job", JOBS["v1"][0]),
+    ]:
+        wait(
+            f"{kind} {name} deleted",
+            lambda kind=kind, name=name: kubectl.get(kind, name) is None,
+            on_fail=logs,
+        )
+    assert kubectl.get("im") == [] and kubectl.get("mv") == []

@@ -1,0 +1,318 @@
+"""The kopf handlers against kmock, an emulated Kubernetes API: objects in, requests and objects out.
+
+The handlers are called as kopf calls them (keyword arguments, sync handlers in a worker thread), with
+the operator's real `Kube` client pointed at the emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import re
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+from kubernetes import client
+from modelfleet.operator import handlers, sync
+from modelfleet.operator.kube import Kube
+from modelfleet.operator.settings import OperatorSettings
+
+NS = "team-a"
+IM = "modelfleet.dev/v1alpha1/inferencemodels"
+MV = "modelfleet.dev/v1alpha1/modelversions"
+JOBS, PODS, DEPLOYMENTS = "batch/v1/jobs", "v1/pods", "apps/v1/deployments"
+RESOURCES = {
+    IM: "InferenceModel",
+    MV: "ModelVersion",
+    JOBS: "Job",
+    PODS: "Pod",
+    DEPLOYMENTS: "Deployment",
+    "v1/configmaps": "ConfigMap",
+    "v1/services": "Service",
+    "autoscaling/v2/horizontalpodautoscalers": "HorizontalPodAutoscaler",
+    "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
+}
+log = logging.getLogger("test")
+
+
+class ApplyingEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus the one server-side-apply behaviour we rely on: apply creates what is missing."""
+
+    async def _handle(self, request: Any) -> Any:
+        is_apply = request.headers.get("Content-Type", "").startswith("application/apply-patch")
+        if is_apply and request.resource is not None and request.name and request.data:
+            key = (request.resource, request.namespace, request.name)
+            if key not in self.objects or self.objects[key].deleted:
+                self.objects[key] = request.data
+        return await super()._handle(request)
+
+
+pytestmark = pytest.mark.kmock(cls=ApplyingEmulator)
+
+
+@pytest.fixture()
+def api(kmock):
+    for resource, kind in RESOURCES.items():
+        kmock.resources[resource] = {"kind": kind, "namespaced": True}
+    config = client.Configuration()
+    config.host = str(kmock.url).rstrip("/")
+    return Kube(client.ApiClient(config))
+
+
+@pytest.fixture()
+def events() -> list[tuple[str, str, str, str]]:
+    """Kubernetes Events the operator posted: (object name, type, reason, message)."""
+    return []
+
+
+@pytest.fixture()
+def memo(api, events):
+    memo = kopf.Memo()
+    settings = OperatorSettings(dataplane_image="registry.example/modelfleet:1.2.3")
+
+    def record(obj, type_, reason, message):
+        events.append((obj["metadata"]["name"], type_, reason, message))
+
+    memo.ctx = sync.Context(kube=api, settings=settings, clock=lambda: "2026-01-01T00:00:00Z", record=record)
+    return memo
+
+
+@pytest.fixture()
+def cluster(kmock, example_objects):
+    """examples/model.yaml, stored in the emulated API server."""
+    for obj in example_objects.values():
+        resource = IM if obj["kind"] == "InferenceModel" else MV
+        kmock.objects[resource, NS, obj["metadata"]["name"]] = obj
+    return example_objects
+
+
+async def call(handler, obj: dict, memo, **kwargs):
+    """Run a handler the way kopf runs a sync one: in a worker thread, with keyword arguments."""
+    return await asyncio.to_thread(handler, body=copy.deepcopy(obj), memo=memo, logger=log, **kwargs)
+
+
+async def fetch(kmock, path: str) -> dict | None:
+    response = await kmock.get(path)
+    return await response.json() if response.status == 200 else None
+
+
+async def obj(kmock, resource: str, name: str) -> dict | None:
+    group_version, plural = resource.rsplit("/", 1)
+    base = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    return await fetch(kmock, f"{base}/namespaces/{NS}/{plural}/{name}")
+
+
+def requests(kmock, method: str, pattern: str) -> list:
+    return [r for r in list(kmock) if r.method.value == method and re.search(pattern, str(r.url))]
+
+
+async def finish_job(kmock, name: str, summary: dict) -> dict:
+    """What the Job controller and the kubelet would leave behind: a Complete Job and its finished pod."""
+    ok = summary.get("ok", False)
+    job = await obj(kmock, JOBS, name)
+    job["status"] = {
+        "conditions": [
+            {
+                "type": "Complete" if ok else "Failed",
+                "status": "True",
+                "reason": "Done" if ok else "BackoffLimitExceeded",
+                "message": "",
+            }
+        ]
+    }
+    kmock.objects[JOBS, NS, name] = job
+    terminated = {
+        "exitCode": 0 if ok else 1,
+        "finishedAt": "2026-01-01T00:10:00Z",
+        "message": json.dumps(summary),
+    }
+    kmock.objects[PODS, NS, f"{name}-abcde"] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{name}-abcde", "namespace": NS, "labels": {"job-name": name}},
+        "status": {
+            "phase": "Succeeded" if ok else "Failed",
+            "containerStatuses": [{"name": "convert", "state": {"terminated": terminated}}],
+        },
+    }
+    return job
+
+
+def artifact(version: str, dtype: str) -> dict:
+    slug = f"nvidia-h100-torch-{dtype}"
+    return {
+        "ok": True,
+        "accelerator": "nvidia-h100",
+        "format": "torch",
+        "dtype": dtype,
+        "uri": f"pvc://modelfleet-models/artifacts/chat/{version}/{slug}",
+        "sha256": "0" * 64,
+        "sizeBytes": 10,
+        "validation": {"top1Agreement": 1.0},
+    }
+
+
+def condition(status: dict, type_: str) -> tuple[str, str]:
+    cond = next(c for c in status["conditions"] if c["type"] == type_)
+    return cond["status"], cond["reason"]
+
+
+async def test_new_model_gets_conversion_jobs_and_serving_objects(kmock, cluster, memo, events):
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+
+    for name in (
+        "chat-v1-convert-nvidia-h100-torch-bf16",
+        "chat-v2-convert-nvidia-h100-torch-bf16",
+        "chat-v2-convert-nvidia-h100-torch-fp8",
+    ):
+        job = await obj(kmock, JOBS, name)
+        assert job is not None, name
+        assert job["metadata"]["ownerReferences"][0]["kind"] == "ModelVersion"
+    assert await obj(kmock, "v1/configmaps", "chat-manifest") is not None
+    assert (await obj(kmock, DEPLOYMENTS, "chat"))["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        "registry.example/modelfleet:1.2.3"
+    )
+    assert await obj(kmock, "v1/services", "chat") is not None
+    assert await obj(kmock, "autoscaling/v2/horizontalpodautoscalers", "chat") is not None
+    # Every write is a server-side apply under one field manager.
+    applies = requests(kmock, "PATCH", r"fieldManager=modelfleet-operator")
+    assert len(applies) == 3 + 4 and all("apply-patch" in r.headers["Content-Type"] for r in applies)
+
+    v2 = (await obj(kmock, MV, "chat-v2"))["status"]
+    assert v2["phase"] == "Converting" and condition(v2, "Ready") == ("False", "Converting")
+    im = (await obj(kmock, IM, "chat"))["status"]
+    assert im["traffic"] == "v1=0,v2=0"
+    assert condition(im, "Ready") == ("False", "VersionNotReady")
+    assert im["endpoint"] == "http://chat.team-a.svc:8000/v1"
+    started = [(name, reason) for name, _, reason, _ in events if reason == "ConversionStarted"]
+    assert started == [
+        ("chat-v1", "ConversionStarted"),
+        ("chat-v2", "ConversionStarted"),
+        ("chat-v2", "ConversionStarted"),
+    ]
+    assert ("chat-v2", "Normal", "Converting") in [e[:3] for e in events]
+
+
+async def test_finished_conversion_moves_traffic_and_traffic_edits_keep_the_pods(
+    kmock, cluster, memo, events
+):
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    job = await finish_job(kmock, "chat-v1-convert-nvidia-h100-torch-bf16", artifact("v1", "bf16"))
+    await call(handlers.job_event, job, memo)
+
+    v1 = (await obj(kmock, MV, "chat-v1"))["status"]
+    assert v1["phase"] == "Ready" and v1["artifacts"][0]["uri"].endswith("v1/nvidia-h100-torch-bf16")
+    manifest = (await obj(kmock, "v1/configmaps", "chat-manifest"))["data"]["manifest.yaml"]
+    assert "weight: 100" in manifest and "/models/artifacts/chat/v1/nvidia-h100-torch-bf16" in manifest
+    im = (await obj(kmock, IM, "chat"))["status"]
+    assert im["traffic"] == "v1=100,v2=0" and condition(im, "Degraded") == ("True", "VersionNotReady")
+    assert (
+        "chat",
+        "Normal",
+        "TrafficUpdated",
+        "serving traffic v1=100,v2=0 (requested: v1=90,v2=10)",
+    ) in events
+
+    for dtype in ("bf16", "fp8"):
+        job = await finish_job(kmock, f"chat-v2-convert-nvidia-h100-torch-{dtype}", artifact("v2", dtype))
+    await call(handlers.job_event, job, memo)
+    assert (await obj(kmock, IM, "chat"))["status"]["traffic"] == "v1=90,v2=10"
+    template = (await obj(kmock, DEPLOYMENTS, "chat"))["spec"]["template"]
+
+    edited = await obj(kmock, IM, "chat")
+    edited["spec"]["traffic"] = [{"version": "v1", "weight": 20}, {"version": "v2", "weight": 80}]
+    edited["metadata"]["generation"] = 2
+    kmock.objects[IM, NS, "chat"] = edited
+    await call(handlers.model_changed, edited, memo, reason="update")
+    assert (await obj(kmock, DEPLOYMENTS, "chat"))["spec"]["template"] == template
+    manifest = (await obj(kmock, "v1/configmaps", "chat-manifest"))["data"]["manifest.yaml"]
+    assert "weight: 80" in manifest
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert status["traffic"] == "v1=20,v2=80" and status["observedGeneration"] == 2
+
+
+async def test_reconciling_again_writes_no_status(kmock, cluster, memo):
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    before = len(requests(kmock, "PATCH", r"/status$"))
+    assert before == 3  # the model and its two versions
+    await call(handlers.model_resync, await obj(kmock, IM, "chat"), memo)
+    assert len(requests(kmock, "PATCH", r"/status$")) == before
+    assert len(requests(kmock, "PATCH", r"/jobs/")) == 3  # Jobs are created once, never re-applied
+
+
+async def test_a_deleted_child_comes_back(kmock, cluster, memo):
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    deployment = await obj(kmock, DEPLOYMENTS, "chat")
+    await kmock.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/chat")
+    assert await obj(kmock, DEPLOYMENTS, "chat") is None
+    await call(handlers.deployment_event, deployment, memo)
+    assert (await obj(kmock, DEPLOYMENTS, "chat"))["spec"] == deployment["spec"]
+
+
+async def test_a_version_in_traffic_is_kept_until_traffic_leaves_it(kmock, cluster, memo):
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    v2 = await obj(kmock, MV, "chat-v2")
+    with pytest.raises(kopf.TemporaryError, match=r"still in spec\.traffic of InferenceModel chat"):
+        await call(handlers.version_deleted, v2, memo)
+    assert condition((await obj(kmock, MV, "chat-v2"))["status"], "InUse") == ("True", "TrafficStillRouted")
+
+    model = await obj(kmock, IM, "chat")
+    model["spec"]["traffic"] = [{"version": "v1", "weight": 100}]
+    kmock.objects[IM, NS, "chat"] = model
+    await call(handlers.version_deleted, await obj(kmock, MV, "chat-v2"), memo)  # returns: kopf lets it go
+
+
+async def test_traffic_to_a_missing_version_is_a_condition_not_a_crash(kmock, cluster, memo):
+    model = copy.deepcopy(cluster["chat"])
+    model["spec"]["traffic"] = [{"version": "v1", "weight": 50}, {"version": "v7", "weight": 50}]
+    kmock.objects[IM, NS, "chat"] = model
+    await call(handlers.model_changed, model, memo, reason="create")
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert condition(status, "Ready") == ("False", "VersionNotFound")
+    assert "'v7'" in next(c for c in status["conditions"] if c["type"] == "Ready")["message"]
+
+
+async def test_a_spec_the_operator_cannot_use_is_permanent_and_reported(kmock, cluster, memo):
+    model = copy.deepcopy(cluster["chat"])
+    model["spec"]["traffic"][0]["weight"] = 80  # sums to 90: only an old CRD would let this through
+    kmock.objects[IM, NS, "chat"] = model
+    with pytest.raises(kopf.PermanentError, match=r"spec\.traffic"):
+        await call(handlers.model_changed, model, memo, reason="create")
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert condition(status, "Ready") == ("False", "InvalidSpec")
+    assert await obj(kmock, DEPLOYMENTS, "chat") is None
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "words"),
+    [
+        (503, kopf.TemporaryError, "Kubernetes API"),
+        (403, kopf.TemporaryError, "check its RBAC"),
+        (422, kopf.PermanentError, "rejected"),
+    ],
+)
+async def test_api_failures_map_to_kopf_errors(kmock, cluster, memo, code, error, words):
+    kmock[re.compile(r".*/modelversions$")] << code << {"kind": "Status", "message": f"boom {code}"}
+    with pytest.raises(error, match=words) as caught:
+        await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    assert f"boom {code}" in str(caught.value)
+
+
+async def test_a_deleted_version_leaves_the_served_traffic(kmock, cluster, memo):
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    await finish_job(kmock, "chat-v1-convert-nvidia-h100-torch-bf16", artifact("v1", "bf16"))
+    for dtype in ("bf16", "fp8"):
+        await finish_job(kmock, f"chat-v2-convert-nvidia-h100-torch-{dtype}", artifact("v2", dtype))
+    await call(handlers.model_resync, await obj(kmock, IM, "chat"), memo)
+    assert (await obj(kmock, IM, "chat"))["status"]["traffic"] == "v1=90,v2=10"
+
+    v2 = await obj(kmock, MV, "chat-v2")
+    await kmock.delete(f"/apis/modelfleet.dev/v1alpha1/namespaces/{NS}/modelversions/chat-v2")
+    await call(handlers.version_event, v2, memo, type="DELETED")
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert status["traffic"] == "v1=100,v2=0" and condition(status, "Degraded") == ("True", "VersionNotFound")
+    assert await obj(kmock, MV, "chat-v2") is None  # and nothing wrote to the deleted version

@@ -1,0 +1,63 @@
+"""`modelfleet operator`: the command, its settings, and the reconcile metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from modelfleet.operator.observability import REGISTRY, observed_reconcile
+from modelfleet.operator.settings import OperatorSettings
+
+
+def test_operator_subcommand_is_listed_and_documented():
+    code = "import sys; from modelfleet.cli.commands import main; sys.exit(main(sys.argv[1:]))"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "operator", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    for flag in ("--namespace", "--all-namespaces", "--peering", "--standalone"):
+        assert flag in result.stdout
+
+
+def test_settings_read_the_chart_environment(monkeypatch):
+    monkeypatch.setenv("MODELFLEET_OPERATOR_NAMESPACES", "team-a, team-b,")
+    monkeypatch.setenv("MODELFLEET_DATAPLANE_IMAGE", "registry.example/modelfleet:9")
+    monkeypatch.setenv("MODELFLEET_MODEL_STORE_CLAIM", "store")
+    monkeypatch.setenv("MODELFLEET_DATAPLANE_IMAGE_PULL_SECRETS", "pull-a,pull-b")
+    settings = OperatorSettings()
+    assert settings.namespaces == ["team-a", "team-b"]
+    assert settings.dataplane_image == "registry.example/modelfleet:9"
+    assert settings.model_store_claim == "store"
+    assert settings.image_pull_secrets == ["pull-a", "pull-b"]
+
+
+def test_bad_settings_name_the_variable(monkeypatch):
+    monkeypatch.setenv("MODELFLEET_DATAPLANE_IMAGE_PULL_POLICY", "Sometimes")
+    with pytest.raises(ValueError, match="dataplane_image_pull_policy"):
+        OperatorSettings()
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_reconciles_are_counted_timed_and_errors_recorded():
+    labels = {"kind": "InferenceModel", "trigger": "test"}
+    ok_before = sample("modelfleet_operator_reconciles_total", **labels, result="ok")
+    err_before = sample(
+        "modelfleet_operator_reconcile_errors_total", kind="InferenceModel", error="RuntimeError"
+    )
+    count_before = sample("modelfleet_operator_reconcile_duration_seconds_count", kind="InferenceModel")
+    with observed_reconcile("InferenceModel", "ns", "chat", "test"):
+        pass
+    with pytest.raises(RuntimeError), observed_reconcile("InferenceModel", "ns", "chat", "test"):
+        raise RuntimeError("boom")
+    assert sample("modelfleet_operator_reconciles_total", **labels, result="ok") == ok_before + 1
+    assert sample("modelfleet_operator_reconciles_total", **labels, result="error") >= 1
+    errors = sample("modelfleet_operator_reconcile_errors_total", kind="InferenceModel", error="RuntimeError")
+    assert errors == err_before + 1
+    assert (
+        sample("modelfleet_operator_reconcile_duration_seconds_count", kind="InferenceModel")
+        == count_before + 2
+    )
