@@ -1,0 +1,167 @@
+"""Read a Hugging Face safetensors checkpoint (checking it first) and write it in a dtype or quantized."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from modelfleet.converters import progress
+from modelfleet.converters.errors import BadInputError
+from modelfleet.dataplane.quantization import quantize
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+# The Llama family the engine's models and our ONNX export implement.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Files copied unchanged into every artifact that has them (the engine needs the tokenizer beside weights).
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+# Linear layers that are quantized; embeddings, norms and lm_head keep the serving dtype.
+QUANTIZED_SUFFIXES = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    config: dict
+    shards: dict[str, list[str]]  # shard file name -> tensor names in it
+
+    @property
+    def architecture(self) -> str:
+        return self.config["architectures"][0]
+
+    def tensors(self, shard: str) -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(self.path / shard, "pt") as f:
+            for name in self.shards[shard]:
+                yield name, f.get_tensor(name)
+
+    def num_tensors(self) -> int:
+        return sum(len(names) for names in self.shards.values())
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Check config.json and every safetensors file before any work: one clear line for each problem."""
+    config = read_config(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise BadInputError(f"source model.safetensors.index.json is corrupt: {exc}") from None
+        shard_names = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").exists():
+        shard_names = ["model.safetensors"]
+    else:
+        raise BadInputError(f"source {path} has no model.safetensors (or index); only safetensors are read")
+    shards = {name: check_safetensors(path / name) for name in shard_names}
+    return Checkpoint(path, config, shards)
+
+
+def read_config(path: Path) -> dict:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise BadInputError(f"source {path} has no config.json; is it a Hugging Face model folder?")
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInputError(f"source config.json is not valid JSON ({exc}); re-export the model") from None
+    if not isinstance(config, dict):
+        raise BadInputError("source config.json is not a JSON object; re-export the model")
+    architectures = config.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise BadInputError(
+            f"source architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if config.get("quantization_config"):
+        raise BadInputError(
+            "source is already quantized (config.json quantization_config); give the bf16 model"
+        )
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(config.get(key), int):
+            raise BadInputError(f"source config.json lacks integer {key!r}; re-export the model")
+    return config
+
+
+def check_safetensors(path: Path) -> list[str]:
+    """Tensor names of a safetensors file whose header and size agree; a truncated file is refused."""
+    size = path.stat().st_size if path.exists() else -1
+    if size < 0:
+        raise BadInputError(f"source shard {path.name} is missing")
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise BadInputError(f"source {path.name} is not a valid safetensors file ({exc})") from None
+    if 8 + header_len + end != size:
+        raise BadInputError(
+            f"source {path.name} is truncated or corrupt: header describes {8 + header_len + end} bytes, "
+            f"file has {size}; download it again"
+        )
+    return [k for k in header if k != "__metadata__"]
+
+
+def copy_side_files(source: Path, dest: Path) -> None:
+    for name in SIDE_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, dest / name)
+
+
+def write_torch(ckpt: Checkpoint, dest: Path, *, dtype: str, quant: str | None, serving_dtype: str) -> None:
+    """Write safetensors shards (same layout as the source) in `dtype`, or quantized (`quant` int8/fp8)
+    with every other tensor in `serving_dtype`. One shard in memory at a time."""
+    float_dtype = TORCH_DTYPES[serving_dtype if quant else dtype]
+    weight_map: dict[str, str] = {}
+    with progress.task(f"convert to {quant or dtype}", ckpt.num_tensors()) as bar:
+        for shard in ckpt.shards:
+            out: dict[str, torch.Tensor] = {}
+            for name, tensor in ckpt.tensors(shard):
+                if quant and name.endswith(QUANTIZED_SUFFIXES) and tensor.dim() == 2:
+                    q, scale = quantize(tensor, quant)
+                    out[name], out[name + "_scale"] = q, scale
+                    weight_map[name + "_scale"] = shard
+                else:
+                    out[name] = tensor.to(float_dtype) if tensor.is_floating_point() else tensor
+                weight_map[name] = shard
+                bar.advance()
+            save_file(out, str(dest / shard), metadata={"format": "pt"})
+            del out
+    if len(ckpt.shards) > 1:
+        total = sum((dest / s).stat().st_size for s in ckpt.shards)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = dict(ckpt.config)
+    config["torch_dtype"] = DTYPE_NAMES[float_dtype]
+    config.pop("dtype", None)
+    if quant:
+        config["quantization_config"] = {
+            "quant_method": "modelfleet",
+            "format": quant,
+            "group": "per-channel",
+        }
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copy_side_files(ckpt.path, dest)

@@ -1,0 +1,236 @@
+"""ONNX export of a Llama-family checkpoint with key/value inputs and outputs, plus int8 quantization.
+
+Graph interface (what dataplane/onnx_runner.py feeds); kv = kv_heads, d = head_dim:
+  inputs   input_ids int64 [batch, seq], attention_mask int64 [batch, past + seq] (1 = real token),
+           position_ids int64 [batch, seq], past_key_values.{i}.key / .value [batch, kv, past, d]
+  outputs  logits float32 [batch, seq, vocab], present.{i}.key / .value [batch, kv, past + seq, d]
+The module below is a plain re-statement of the Hugging Face Llama forward written for tracing (no cache
+objects, no data-dependent control flow); validation checks its logits against transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from modelfleet.converters import progress
+from modelfleet.converters.checkpoint import Checkpoint
+from modelfleet.converters.errors import ConversionError
+from torch import nn
+
+OPSET = 18
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_key_values.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+    present = [f"present.{i}.{kind}" for i in range(num_layers) for kind in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        head_dim, inter = cfg["head_dim"], cfg["intermediate_size"]
+        qkv_bias = bool(cfg.get("attention_bias", cfg["model_type"] == "qwen2"))
+        o_bias = bool(cfg.get("attention_bias", False))
+        mlp_bias = bool(cfg.get("mlp_bias", False))
+        self.heads, self.kv_heads, self.head_dim = heads, kv, head_dim
+        self.input_layernorm = _RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.post_attention_layernorm = _RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
+        self.self_attn.k_proj = nn.Linear(hidden, kv * head_dim, bias=qkv_bias)
+        self.self_attn.v_proj = nn.Linear(hidden, kv * head_dim, bias=qkv_bias)
+        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(hidden, inter, bias=mlp_bias)
+        self.mlp.up_proj = nn.Linear(hidden, inter, bias=mlp_bias)
+        self.mlp.down_proj = nn.Linear(inter, hidden, bias=mlp_bias)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        b, s, _ = x.shape
+        h = self.input_layernorm(x)
+        attn = self.self_attn
+        q = attn.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = torch.cat([past_k, k], dim=2)  # [b, kv, past + s, d]
+        v = torch.cat([past_v, v], dim=2)
+        groups = self.heads // self.kv_heads
+        k_all = k.repeat_interleave(groups, dim=1) if groups > 1 else k
+        v_all = v.repeat_interleave(groups, dim=1) if groups > 1 else v
+        scores = torch.matmul(q, k_all.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim)) + mask
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v_all)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        h = self.post_attention_layernorm(x)
+        mlp = self.mlp
+        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return x, k, v
+
+
+class ExportableLlama(nn.Module):
+    def __init__(self, cfg: dict, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.model.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg["num_hidden_layers"]))
+        self.model.norm = _RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        if cfg.get("tie_word_embeddings"):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        x = self.model.embed_tokens(input_ids)
+        dtype = x.dtype
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]  # [b, 1, s, d]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        # Query i of this step sits at absolute index past + i of the mask; it sees keys j <= past + i
+        # that are real tokens. A large finite negative (not -inf) keeps fully padded rows free of NaN.
+        total = attention_mask.shape[1]
+        seq = input_ids.shape[1]
+        key_idx = torch.arange(total, device=input_ids.device)[None, :]
+        query_idx = torch.arange(seq, device=input_ids.device)[:, None] + (total - seq)
+        allowed = (key_idx <= query_idx)[None, None] & (attention_mask[:, None, None, :] > 0)
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min / 2).to(dtype)
+        presents = []
+        for i, layer in enumerate(self.model.layers):
+            x, k, v = layer(x, cos, sin, mask, past[2 * i], past[2 * i + 1])
+            presents += [k, v]
+        logits = self.lm_head(self.model.norm(x)).float()
+        return (logits, *presents)
+
+
+def normalized_config(config: dict) -> dict:
+    cfg = dict(config)
+    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg.setdefault("rms_norm_eps", 1e-6)
+    return cfg
+
+
+def rotary(config: dict) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling through transformers' own rope initialisers (all rope types)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = AutoConfig.for_model(
+        config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}
+    )
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq, float(scaling)
+
+
+def build_module(ckpt: Checkpoint, dtype: torch.dtype) -> ExportableLlama:
+    cfg = normalized_config(ckpt.config)
+    inv_freq, scaling = rotary(ckpt.config)
+    with torch.device("meta"):
+        module = ExportableLlama(cfg, inv_freq.to("meta"), scaling)
+    state = {}
+    for shard in ckpt.shards:
+        for name, tensor in ckpt.tensors(shard):
+            state[name] = tensor.to(dtype)
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.get("tie_word_embeddings") and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ConversionError(
+            f"checkpoint does not fit the Llama layout: missing {missing[:3]}, extra {unexpected[:3]}"
+        )
+    if cfg.get("tie_word_embeddings"):
+        module.lm_head.weight = module.model.embed_tokens.weight
+    module.inv_freq = inv_freq.float()
+    return module.eval()
+
+
+def export_onnx(ckpt: Checkpoint, dest: Path, dtype: torch.dtype) -> None:
+    """Write dest/model.onnx (+ model.onnx.data) with dynamic batch, sequence and past lengths."""
+    cfg = normalized_config(ckpt.config)
+    module = build_module(ckpt, dtype)
+    layers, kv, head_dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    batch, seq, past = 2, 3, 4  # sizes above 1 so the exporter keeps them symbolic
+    args = (
+        torch.ones(batch, seq, dtype=torch.long),
+        torch.ones(batch, past + seq, dtype=torch.long),
+        torch.arange(past, past + seq).repeat(batch, 1),
+        *[torch.zeros(batch, kv, past, head_dim, dtype=dtype) for _ in range(2 * layers)],
+    )
+    # AUTO lets the exporter derive how the sizes relate (mask length = past + sequence).
+    auto = torch.export.Dim.AUTO
+    # The *past varargs are one argument to torch.export: their shapes go in one nested list.
+    dynamic = [
+        {0: auto, 1: auto},
+        {0: auto, 1: auto},
+        {0: auto, 1: auto},
+        tuple([{0: auto, 2: auto}] * (2 * layers)),
+    ]
+    inputs, outputs = io_names(layers)
+    with progress.task("export onnx"), torch.no_grad():
+        try:
+            program = torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=OPSET,
+                input_names=inputs,
+                output_names=outputs,
+                dynamic_shapes=dynamic,
+                optimize=True,
+                verbose=False,
+            )
+            program.save(str(dest / MODEL_FILE), external_data=True)
+        except Exception as exc:  # the exporter raises many types; one line for the user
+            raise ConversionError(f"ONNX export failed: {str(exc).splitlines()[0]}") from exc
+    # The exporter names the data file after the model; make it the fixed name the manifest lists.
+    if not (dest / DATA_FILE).exists():
+        raise ConversionError(f"ONNX export wrote no external data file {DATA_FILE}")
+
+
+def quantize_onnx_int8(src: Path, dest: Path) -> None:
+    """onnxruntime dynamic quantization: int8 weights per channel, activations quantized at run time."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with progress.task("quantize onnx int8"):
+        quantize_dynamic(
+            model_input=str(src / MODEL_FILE),
+            model_output=str(dest / MODEL_FILE),
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            op_types_to_quantize=["MatMul", "Gemm"],
+            use_external_data_format=True,
+            extra_options={"MatMulConstBOnly": True},
+        )

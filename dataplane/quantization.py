@@ -1,0 +1,161 @@
+"""Weight quantization shared by the converters (which write it) and the engine (which runs it).
+
+Checkpoint format (config.json `quantization_config = {"quant_method": "modelfleet", "format": "int8"|"fp8",
+"group": "per-channel"}`): each quantized Linear weight `X.weight` [out, in] is stored as int8 or
+float8_e4m3fn, with `X.weight_scale` float32 [out] such that weight ~= X.weight * X.weight_scale[:, None].
+Scales are symmetric per output channel: int8 maps max|row| to 127, fp8 maps it to 448 (e4m3's largest).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANT_FORMATS = ("int8", "fp8")
+INT8_MAX = 127.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_TINY = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
+FP8_MIN_CAPABILITY = (8, 9)
+_ALIGN = 64  # bytes  # Ada (L4) and Hopper (H100, H200) compute in e4m3
+
+
+class QuantizationError(RuntimeError):
+    """A quantized format cannot run here (e.g. fp8 without a capable GPU)."""
+
+
+def _row_absmax(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dim() != 2:
+        raise ValueError(
+            f"weight must be 2-D [out, in] to quantize per channel, got shape {tuple(weight.shape)}"
+        )
+    return weight.detach().float().abs().amax(dim=1).clamp_min(_TINY)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8: (int8 [out, in], float32 scale [out])."""
+    scale = _row_absmax(weight) / INT8_MAX
+    q = torch.round(weight.detach().float() / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel float8 e4m3: (float8_e4m3fn [out, in], float32 scale [out])."""
+    scale = _row_absmax(weight) / FP8_MAX
+    q = (weight.detach().float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if fmt == "int8":
+        return quantize_int8(weight)
+    if fmt == "fp8":
+        return quantize_fp8(weight)
+    raise ValueError(f"quantization format {fmt!r} is unknown; use one of: {', '.join(QUANT_FORMATS)}")
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The floating weight a quantized one stands for: q * scale per output channel, in `dtype`."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY and hasattr(torch, "_scaled_mm")
+
+
+def check_fp8_supported(device: torch.device | str) -> None:
+    """Raise QuantizationError (one line) unless fp8 matmuls run on `device`; call it when loading a model."""
+    if fp8_supported(device):
+        return
+    where = str(device)
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+    raise QuantizationError(
+        f"fp8 weights need a CUDA GPU with compute capability >= 8.9 (L4, H100, H200); {where} has none: "
+        "serve the int8 or bf16 artifact instead"
+    )
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequant(W).T + b for a per-channel quantized weight, without materializing dequant(W).
+
+    int8: weight-only; torch._weight_int8pack_mm multiplies the int8 weight directly (CPU and CUDA), with a
+    dequantize-then-matmul fallback. fp8: activations are scaled to e4m3 per token and torch._scaled_mm
+    multiplies on fp8 tensor cores; anywhere else forward refuses with QuantizationError.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fmt: str = "int8") -> None:
+        super().__init__()
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(
+                f"quantization format {fmt!r} is unknown; use one of: {', '.join(QUANT_FORMATS)}"
+            )
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        qdtype = torch.int8 if fmt == "int8" else FP8_DTYPE
+        # Buffers, not parameters: quantized weights are never trained, and load_state_dict(assign=True)
+        # keeps their dtype.
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=qdtype))
+        self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._use_int8pack = True
+        self._rowwise_fp8 = True
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, fmt: str) -> QuantizedLinear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt)
+        q, scale = quantize(linear.weight, fmt)
+        module.weight = q.to(linear.weight.device)
+        module.weight_scale = scale.to(linear.weight.device)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return module
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        y = self._int8(x2) if self.fmt == "int8" else self._fp8(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        if self._use_int8pack:
+            # The CPU kernel reads the weight with aligned vector loads and crashes on an unaligned one,
+            # which is what an mmap-loaded safetensors tensor often is: copy it once into aligned memory.
+            if self.weight.data_ptr() % _ALIGN:
+                self.weight = self.weight.clone()
+            try:
+                return torch._weight_int8pack_mm(x.contiguous(), self.weight, self.weight_scale.to(x.dtype))
+            except (RuntimeError, NotImplementedError):
+                self._use_int8pack = False  # this device/dtype lacks the kernel: fall back for good
+        return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype))
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        check_fp8_supported(x.device)
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        # Per-token activation scales (dynamic): e4m3 has little precision, so each row uses its full range.
+        x_scale = x.detach().float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / FP8_MAX  # [M, 1]
+        x_fp8 = (x.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        w_t = self.weight.t()  # [in, out], column-major as _scaled_mm wants
+        if self._rowwise_fp8:
+            try:
+                y = torch._scaled_mm(
+                    x_fp8, w_t, scale_a=x_scale, scale_b=self.weight_scale[None, :], out_dtype=out_dtype
+                )
+                return y.to(x.dtype)
+            except RuntimeError:
+                self._rowwise_fp8 = False  # row-wise scaling needs Hopper; Ada takes the tensor-wise path
+        # Tensor-wise scales inside the matmul, the per-row and per-channel ones applied to the output.
+        one = torch.ones((), device=x.device, dtype=torch.float32)
+        y = torch._scaled_mm(x_fp8, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (y * x_scale * self.weight_scale[None, :]).to(x.dtype)
