@@ -73,12 +73,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{- define "modelfleet.imagePullSecrets" -}}
-{{- with .Values.imagePullSecrets }}
-imagePullSecrets:
-{{ toYaml . }}
-{{- end }}
-{{- end }}
 
 {{/* The container hardening every modelfleet container gets. */}}
 {{- define "modelfleet.containerSecurityContext" -}}
