@@ -52,17 +52,17 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Each bad value, and the words helm's schema error must contain to point the user at the field.
+# Each bad value, and the path helm's schema error must name so that the user finds the field.
 BAD_VALUES = {
     "unknown-key": ({"operater": {"replicas": 2}}, "operater"),
-    "bad-digest": ({"images": {"dataplane": {"digest": "sha256:xyz"}}}, "digest"),
-    "zero-replicas": ({"operator": {"replicas": 0}}, "replicas"),
-    "unknown-database": ({"database": {"type": "mysql"}}, "type"),
-    "postgresql-without-url": ({"database": {"type": "postgresql"}}, "postgresql"),
-    "sqlite-two-replicas": ({"controlPlane": {"replicas": 2}}, "replicas"),
-    "root-user": ({"podSecurityContext": {"runAsNonRoot": False}}, "runAsNonRoot"),
-    "short-admin-key": ({"controlPlane": {"auth": {"adminKey": "short"}}}, "adminKey"),
-    "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "watchNamespaces"),
+    "bad-digest": ({"images": {"dataplane": {"digest": "sha256:xyz"}}}, "/images/dataplane/digest"),
+    "zero-replicas": ({"operator": {"replicas": 0}}, "/operator/replicas"),
+    "unknown-database": ({"database": {"type": "mysql"}}, "/database/type"),
+    "postgresql-without-url": ({"database": {"type": "postgresql"}}, "/database/postgresql/url"),
+    "sqlite-two-replicas": ({"controlPlane": {"replicas": 2}}, "/controlPlane/replicas"),
+    "root-user": ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
+    "short-admin-key": ({"controlPlane": {"auth": {"adminKey": "short"}}}, "/controlPlane/auth/adminKey"),
+    "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
 }
 
 # What the operator may do cluster-wide: (apiGroup, resource, verb). Exactly this, nothing more.
