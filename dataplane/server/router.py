@@ -15,7 +15,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from modelfleet.dataplane.manifest import ServedModel
 
@@ -42,6 +42,7 @@ class RoutingTable:
     sticky_kind: Literal["none", "user", "header"]
     sticky_header: str | None
     shadows: tuple[tuple[str, int], ...]  # (version, percent)
+    salts: tuple[bytes, ...]  # per version, for sticky hashing
 
     @classmethod
     def from_model(cls, model: ServedModel) -> RoutingTable:
@@ -58,11 +59,11 @@ class RoutingTable:
             sticky_kind=model.routing.sticky_kind,
             sticky_header=model.routing.sticky_header,
             shadows=tuple((v.name, v.shadow_percent) for v in model.versions if v.shadow_percent > 0),
+            salts=tuple(_version_salt(v.name) for v in model.versions),
         )
 
 
-@dataclass(frozen=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):
     model: str
     version: str
     reason: Literal["pin", "sticky", "weighted"]
@@ -91,9 +92,13 @@ def weighted_choice(table: RoutingTable, draw: float) -> str:
     return table.versions[-1]  # draw == 1.0 guard
 
 
-def _unit_hash(key: str, version: str) -> float:
-    """A uniform number in (0, 1) from the pair, stable across processes and replicas."""
-    digest = hashlib.blake2b(f"{version}\x00{key}".encode(), digest_size=8).digest()
+def _version_salt(version: str) -> bytes:
+    return hashlib.blake2b(version.encode(), digest_size=32).digest()
+
+
+def _unit_hash(key: bytes, salt: bytes) -> float:
+    """A uniform number in (0, 1) from (key, version), stable across processes and replicas."""
+    digest = hashlib.blake2b(key, digest_size=8, key=salt).digest()
     return (int.from_bytes(digest, "big") + 0.5) / _HASH_SCALE
 
 
@@ -104,10 +109,11 @@ def sticky_choice(table: RoutingTable, key: str) -> str:
     probability weight / total, and raising one weight only pulls keys towards that version.
     """
     best_name, best_score = None, -1.0
-    for name, weight in zip(table.versions, table.weights, strict=True):
+    raw = key.encode()
+    for name, weight, salt in zip(table.versions, table.weights, table.salts, strict=True):
         if weight <= 0:
             continue
-        score = weight / -math.log(_unit_hash(key, name))
+        score = weight / -math.log(_unit_hash(raw, salt))
         if score > best_score:
             best_name, best_score = name, score
     if best_name is None:
@@ -146,7 +152,7 @@ def route(
         version, reason = sticky_choice(table, key), "sticky"
     else:
         version, reason = weighted_choice(table, rng.random()), "weighted"
-    shadows = tuple(
-        name for name, percent in table.shadows if name != version and rng.random() * 100 < percent
-    )
-    return RouteDecision(model=table.model, version=version, reason=reason, shadows=shadows)
+    shadows = ()
+    if table.shadows:
+        shadows = tuple(n for n, percent in table.shadows if n != version and rng.random() * 100 < percent)
+    return RouteDecision(table.model, version, reason, shadows)

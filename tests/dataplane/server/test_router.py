@@ -135,3 +135,10 @@ def test_shadow_share_and_never_to_the_primary():
     assert within(sum("b" in d.shadows for d in decisions), n, 0.2)
     pinned = [route(t, pinned="b") for _ in range(200)]
     assert all(d.shadows == () for d in pinned)
+
+
+def test_long_version_names_with_a_common_prefix_hash_independently():
+    a, b = "release-2026-11-22-candidate-a", "release-2026-11-22-candidate-b"
+    t = table({a: 50, b: 50}, sticky="user")
+    keys = [f"k{i}" for i in range(4000)]
+    assert within(sum(sticky_choice(t, k) == a for k in keys), len(keys), 0.5)

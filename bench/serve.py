@@ -1,0 +1,316 @@
+"""Serving benchmark in the manner of `vllm bench serve`: random prompts, Poisson arrivals or a fixed
+concurrency, streaming completions; prints one JSON line with request and token throughput and mean,
+median and p99 of TTFT, TPOT, ITL and end-to-end latency.
+
+With --model (or --demo) it starts `modelfleet serve` itself and, as the baseline in the same run, drives
+the same prompts through the engine in-process (AsyncLLM, no HTTP), so the server's overhead shows.
+    python bench/serve.py --demo small --num-prompts 64 --max-concurrency 8
+    python bench/serve.py --base-url http://localhost:8000 --model-name demo --request-rate 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the first ids: the demo tokenizers keep special tokens there.
+    return [[rng.randrange(16, vocab) for _ in range(input_len)] for _ in range(n)]
+
+
+async def arrivals(n: int, rate: float, seed: int):
+    """Yields request indices, spaced by exponential gaps (a Poisson process) unless rate is infinite."""
+    rng = random.Random(seed + 1)
+    for i in range(n):
+        yield i
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_load(send, prompts, rate: float, max_concurrency: int | None, seed: int):
+    gate = asyncio.Semaphore(max_concurrency or len(prompts))
+    results: list[Result] = []
+
+    async def one(prompt):
+        async with gate:
+            results.append(await send(prompt))
+
+    started = time.perf_counter()
+    tasks = [asyncio.create_task(one(prompts[i])) async for i in arrivals(len(prompts), rate, seed)]
+    await asyncio.gather(*tasks)
+    return results, time.perf_counter() - started
+
+
+def http_sender(client: httpx.AsyncClient, model: str, output_len: int):
+    async def send(prompt: list[int]) -> Result:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        result, start = Result(), time.perf_counter()
+        last = start
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        result.error = chunk["error"]["message"]
+                        return result
+                    if chunk.get("usage"):
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        now = time.perf_counter()
+                        if result.ttft == 0.0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.e2e, result.ok = time.perf_counter() - start, True
+        return result
+
+    return send
+
+
+def engine_sender(engine, output_len: int):
+    from modelfleet.dataplane import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    counter = iter(range(1 << 62))
+
+    async def send(prompt: list[int]) -> Result:
+        result, start = Result(), time.perf_counter()
+        last = start
+        async for output in engine.generate(prompt, params, request_id=f"bench-{next(counter)}"):
+            if output.new_token_ids:
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+            result.output_tokens = len(output.token_ids)
+        result.e2e, result.ok = time.perf_counter() - start, True
+        return result
+
+    return send
+
+
+def summarize(results: list[Result], duration: float, input_len: int) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+
+    def stats(values: list[float]) -> dict:
+        if not values:
+            return {"mean": None, "median": None, "p99": None}
+        ordered = sorted(values)
+        p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        return {
+            "mean": round(statistics.fmean(ordered) * 1000, 2),
+            "median": round(statistics.median(ordered) * 1000, 2),
+            "p99": round(p99 * 1000, 2),
+        }
+
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "first_error": next((r.error for r in results if not r.ok), None),
+        "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_throughput_tok_s": round(out_tokens / duration, 2),
+        "total_token_throughput_tok_s": round((out_tokens + input_len * len(ok)) / duration, 2),
+        "ttft_ms": stats([r.ttft for r in ok]),
+        "tpot_ms": stats(tpot),
+        "itl_ms": stats([gap for r in ok for gap in r.itl]),
+        "e2e_ms": stats([r.e2e for r in ok]),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, name: str, engine: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "modelfleet.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--name",
+        name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    for pair in engine:
+        command += ["--engine", pair]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"error: the server exited: {process.stderr.read().strip().splitlines()[-1:]}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    process.terminate()
+    raise SystemExit("error: the server did not become ready within 300 s")
+
+
+def engine_settings(pairs: list[str]) -> dict:
+    settings = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    return settings
+
+
+async def run_baseline(model_dir: Path, args, prompts) -> dict:
+    from modelfleet.dataplane import AsyncLLM
+
+    engine = AsyncLLM(str(model_dir), **engine_settings(args.engine))
+    try:
+        await run_load(
+            engine_sender(engine, args.output_len), prompts[:2], float("inf"), None, args.seed
+        )  # warm
+        results, duration = await run_load(
+            engine_sender(engine, args.output_len),
+            prompts,
+            args.request_rate,
+            args.max_concurrency,
+            args.seed,
+        )
+    finally:
+        engine.close()
+    return summarize(results, duration, args.input_len)
+
+
+async def run_http(url: str, model: str, args, prompts) -> dict:
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        send = http_sender(client, model, args.output_len)
+        await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm-up
+        results, duration = await run_load(send, prompts, args.request_rate, args.max_concurrency, args.seed)
+    return summarize(results, duration, args.input_len)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--base-url", help="an already running server")
+    target.add_argument(
+        "--model", type=Path, help="model folder: start a server for it (and run the baseline)"
+    )
+    target.add_argument("--demo", choices=["tiny", "small"], help="create (once) and serve a demo model")
+    parser.add_argument("--model-name", default="bench", help="model name to request")
+    parser.add_argument(
+        "--vocab-size", type=int, help="token ids are drawn below this (default: from config)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson arrivals"
+    )
+    parser.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", help="engine setting")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the in-process engine baseline")
+    parser.add_argument("--demo-dir", type=Path, default=Path(".modelfleet/bench"))
+    args = parser.parse_args()
+
+    model_dir = args.model
+    if args.demo:
+        from modelfleet.dataplane.demo import create_demo_model
+
+        model_dir = create_demo_model(args.demo_dir / args.demo, size=args.demo, seed=0)
+    vocab = args.vocab_size
+    if vocab is None and model_dir is not None:
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    if vocab is None:
+        parser.error("--vocab-size is needed with --base-url")
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+
+    report = {
+        "bench": "serve",
+        "model": str(model_dir or args.base_url),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "cpu_count": os.cpu_count(),
+    }
+    if args.base_url:
+        report["server"] = asyncio.run(run_http(args.base_url, args.model_name, args, prompts))
+    else:
+        process, url = start_server(model_dir, args.model_name, args.engine)
+        try:
+            report["server"] = asyncio.run(run_http(url, args.model_name, args, prompts))
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        if not args.no_baseline:
+            report["engine_baseline"] = asyncio.run(run_baseline(model_dir, args, prompts))
+            base = report["engine_baseline"]["output_throughput_tok_s"]
+            if base:
+                report["server_vs_engine_output_throughput"] = round(
+                    report["server"]["output_throughput_tok_s"] / base, 3
+                )
+    print(json.dumps(report))
+    return 0 if report["server"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
