@@ -14,21 +14,25 @@ from typing import Any, Protocol
 
 from modelfleet.controlplane import resources
 from modelfleet.controlplane.core.config import Settings
-from modelfleet.controlplane.core.security import tenant_pepper
-from modelfleet.controlplane.errors import ClusterUnavailable
-from modelfleet.controlplane.models import ApiKey, Model, ModelVersion, Tenant
+from modelfleet.controlplane.errors import ClusterConflict, ClusterUnavailable
+from modelfleet.controlplane.models import Model, ModelVersion, Tenant
 from modelfleet.operator.api import API_VERSION
 
 log = logging.getLogger(__name__)
+KEY_SECRET_RETRIES = 5
 
 
 class Cluster(Protocol):
     name: str
 
     def describe(self) -> str: ...
-    def apply_tenant(self, tenant: Tenant, keys: list[ApiKey]) -> None: ...
+    def apply_tenant(self, tenant: Tenant, usable_keys: list[str]) -> None: ...
     def delete_tenant(self, tenant: Tenant) -> None: ...
-    def apply_keys(self, tenant: Tenant, keys: list[ApiKey]) -> None: ...
+    def apply_keys(
+        self, tenant: Tenant, usable_keys: list[str], new_key: tuple[str, str] | None = None
+    ) -> None:
+        """The tenant's key Secret lists exactly the usable key prefixes; `new_key` is (prefix, sha256)."""
+
     def apply_model(self, tenant: Tenant, model: Model) -> None: ...
     def delete_model(self, tenant: Tenant, model: Model) -> None: ...
     def apply_version(self, tenant: Tenant, model: Model, version: ModelVersion) -> None: ...
@@ -50,13 +54,15 @@ class NoCluster:
             "(set KUBECONFIG or MODELFLEET_CLUSTER=kubernetes to write CRs)"
         )
 
-    def apply_tenant(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+    def apply_tenant(self, tenant: Tenant, usable_keys: list[str]) -> None:
         pass
 
     def delete_tenant(self, tenant: Tenant) -> None:
         pass
 
-    def apply_keys(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+    def apply_keys(
+        self, tenant: Tenant, usable_keys: list[str], new_key: tuple[str, str] | None = None
+    ) -> None:
         pass
 
     def apply_model(self, tenant: Tenant, model: Model) -> None:
@@ -98,9 +104,8 @@ class ObjectStore(Protocol):
 class KubernetesCluster:
     name = "kubernetes"
 
-    def __init__(self, store: ObjectStore, *, server_pepper: str, where: str = "") -> None:
+    def __init__(self, store: ObjectStore, *, where: str = "") -> None:
         self.store = store
-        self.server_pepper = server_pepper
         self.where = where
 
     def describe(self) -> str:
@@ -110,18 +115,31 @@ class KubernetesCluster:
         if body is not None:
             self.store.apply(body)
 
-    def apply_tenant(self, tenant: Tenant, keys: list[ApiKey]) -> None:
+    def apply_tenant(self, tenant: Tenant, usable_keys: list[str]) -> None:
         self._apply(resources.namespace(tenant))
         self._apply(resources.resource_quota(tenant))
-        self.apply_keys(tenant, keys)
+        self.apply_keys(tenant, usable_keys)
 
     def delete_tenant(self, tenant: Tenant) -> None:
         # The namespace takes everything of the tenant with it: pods, CRs, the Secret, the quota.
         self.store.delete("v1", "Namespace", tenant.namespace, None)
 
-    def apply_keys(self, tenant: Tenant, keys: list[ApiKey]) -> None:
-        pepper = tenant_pepper(self.server_pepper, tenant.namespace)
-        self._apply(resources.key_secret(tenant, keys, pepper))
+    def apply_keys(
+        self, tenant: Tenant, usable_keys: list[str], new_key: tuple[str, str] | None = None
+    ) -> None:
+        # Read-modify-write: the digests live only in the Secret (the database keeps peppered hashes).
+        for _ in range(KEY_SECRET_RETRIES):
+            current = self.store.get("v1", "Secret", resources.KEYS_SECRET, tenant.namespace)
+            entries = resources.reconcile_key_entries(
+                tenant, resources.key_entries(current), usable_keys, new_key
+            )
+            version = (current or {}).get("metadata", {}).get("resourceVersion")
+            try:
+                self.store.apply(resources.key_secret(tenant, entries, version))
+                return
+            except ClusterConflict:
+                continue
+        raise ClusterConflict(f"the API key Secret of tenant {tenant.name!r} kept changing; retry")
 
     def apply_model(self, tenant: Tenant, model: Model) -> None:
         self._apply(resources.inference_model(tenant, model))
@@ -240,6 +258,8 @@ class DynamicStore:
         except ApiException as exc:
             if missing_ok and exc.status == 404:
                 return None
+            if exc.status == 409:
+                raise ClusterConflict(f"Kubernetes refused to {what}: it changed meanwhile") from None
             raise ClusterUnavailable(f"Kubernetes refused to {what}: {exc.status} {exc.reason}") from None
         except HTTPError as exc:
             raise ClusterUnavailable(f"Kubernetes unreachable while trying to {what}: {exc}") from None

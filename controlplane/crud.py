@@ -4,8 +4,7 @@ record an AuditEvent in the same transaction, so the trail and the change commit
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from modelfleet.controlplane import schemas
@@ -108,10 +107,9 @@ def create_api_key(
     session: Session, *, tenant: Tenant, key_in: schemas.ApiKeyCreate, actor: str, server_pepper: str
 ) -> tuple[ApiKey, str]:
     """The new key row and its token; the token exists only in the return value."""
-    pepper = security.tenant_pepper(server_pepper, tenant.namespace)
-    new = security.new_key(pepper)
+    new = security.new_key(server_pepper)
     while session.scalar(select(ApiKey.id).where(ApiKey.prefix == new.prefix)) is not None:
-        new = security.new_key(pepper)  # a prefix collision: 36**8 makes this all but never loop
+        new = security.new_key(server_pepper)  # a prefix collision: 36**8 makes this all but never loop
     expires_at = utcnow() + timedelta(days=key_in.expires_in_days) if key_in.expires_in_days else None
     key = ApiKey(
         tenant_id=tenant.id,
@@ -151,15 +149,20 @@ def list_api_keys(
     return _page(session, query, limit=limit, offset=offset)
 
 
-def usable_api_keys(session: Session, *, tenant: Tenant) -> Sequence[ApiKey]:
-    """Keys that authenticate now: not revoked, not expired."""
-    now = utcnow()
-    query = select(ApiKey).where(
+def usable_key_prefixes(session: Session, *, tenant: Tenant) -> list[str]:
+    """Prefixes of the keys that authenticate now: not revoked, not expired."""
+    query = select(ApiKey.prefix).where(
         ApiKey.tenant_id == tenant.id,
         ApiKey.revoked_at.is_(None),
-        (ApiKey.expires_at.is_(None)) | (ApiKey.expires_at > now),
+        (ApiKey.expires_at.is_(None)) | (ApiKey.expires_at > utcnow()),
     )
-    return list(session.scalars(query.order_by(ApiKey.id)))
+    return list(session.scalars(query.order_by(ApiKey.prefix)))
+
+
+def tenants_with_keys_expired_between(session: Session, *, since: datetime, until: datetime) -> list[Tenant]:
+    """Tenants whose key Secret still lists a key that expired in (since, until]."""
+    expired = select(ApiKey.tenant_id).where(ApiKey.expires_at > since, ApiKey.expires_at <= until)
+    return list(session.scalars(select(Tenant).where(Tenant.id.in_(expired)).order_by(Tenant.id)))
 
 
 def revoke_api_key(session: Session, *, key: ApiKey, tenant: Tenant, actor: str) -> ApiKey:

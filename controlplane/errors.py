@@ -43,3 +43,10 @@ class Invalid(ControlPlaneError):
 class ClusterUnavailable(ControlPlaneError):
     status_code = 502
     error_type = "cluster_error"
+
+
+class ClusterConflict(ClusterUnavailable):
+    """The object changed since it was read (HTTP 409 from the API server); read again and retry."""
+
+    status_code = 409
+    error_type = "conflict_error"

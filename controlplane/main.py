@@ -8,18 +8,21 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from modelfleet.controlplane import cluster as cluster_module
+from modelfleet.controlplane import crud
 from modelfleet.controlplane.api.deps import DatabaseNotReady
 from modelfleet.controlplane.api.main import api_router
 from modelfleet.controlplane.cluster import Cluster
 from modelfleet.controlplane.core import db, telemetry
 from modelfleet.controlplane.core.config import Settings
 from modelfleet.controlplane.errors import ControlPlaneError
+from modelfleet.controlplane.models import utcnow
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
@@ -113,6 +116,32 @@ def keep_migrating(app: FastAPI, stop: threading.Event) -> None:
             return
 
 
+def sync_expired_keys(app: FastAPI, *, since: datetime, until: datetime) -> int:
+    """Drop keys that expired in (since, until] from their tenants' Secrets; the number of tenants synced.
+
+    The data plane's key file has no expiry, so an expired key must leave the Secret to stop working there.
+    """
+    with app.state.sessionmaker() as session:
+        tenants = crud.tenants_with_keys_expired_between(session, since=since, until=until)
+        for tenant in tenants:
+            app.state.cluster.apply_keys(tenant, crud.usable_key_prefixes(session, tenant=tenant))
+    return len(tenants)
+
+
+def keep_expiring_keys(app: FastAPI, stop: threading.Event) -> None:
+    since = utcnow()
+    while not stop.wait(app.state.settings.key_sync_interval_s):
+        until = utcnow()
+        try:
+            if app.state.migrated:
+                synced = sync_expired_keys(app, since=since, until=until)
+                if synced:
+                    log.info("removed expired API keys from %d tenant Secret(s)", synced)
+                since = until
+        except (sa_exc.SQLAlchemyError, ControlPlaneError) as error:
+            log.warning("expired-key sync failed, will retry: %s", _first_line(error))
+
+
 def create_app(settings: Settings | None = None, *, cluster: Cluster | None = None) -> FastAPI:
     settings = settings or Settings()
     engine = db.make_engine(settings)
@@ -124,14 +153,21 @@ def create_app(settings: Settings | None = None, *, cluster: Cluster | None = No
         log.info("database %s", engine.url.render_as_string(hide_password=True))
         log.info("cluster: %s", app.state.cluster.describe())
         stop = threading.Event()
-        retry = None
+        workers = []
         if not try_migrate(app):
-            retry = threading.Thread(target=keep_migrating, args=(app, stop), daemon=True, name="migrate")
-            retry.start()
+            workers.append(
+                threading.Thread(target=keep_migrating, args=(app, stop), daemon=True, name="migrate")
+            )
+        if app.state.cluster.name != "none":
+            workers.append(
+                threading.Thread(target=keep_expiring_keys, args=(app, stop), daemon=True, name="keys")
+            )
+        for worker in workers:
+            worker.start()
         yield
         stop.set()
-        if retry is not None:
-            retry.join(timeout=5)
+        for worker in workers:
+            worker.join(timeout=5)
         engine.dispose()
 
     app = FastAPI(

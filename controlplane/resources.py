@@ -6,17 +6,18 @@ resources are built through `modelfleet.operator.api`, so a body the operator wo
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
-from modelfleet.controlplane.core.security import HASH_ALGORITHM
-from modelfleet.controlplane.models import ApiKey, Model, ModelVersion, Tenant
+from modelfleet.controlplane.models import Model, ModelVersion, Tenant
 from modelfleet.converters.formats import HARDWARE
 from modelfleet.operator import api
 
 FIELD_MANAGER = "modelfleet-controlplane"
+# The operator mounts this Secret into the data-plane pods and points MODELFLEET_API_KEY_FILE at the file.
 KEYS_SECRET = "modelfleet-api-keys"
-KEYS_SECRET_FILE = "keys.json"
+KEYS_SECRET_FILE = "keys"
 QUOTA_NAME = "modelfleet-quota"
 TENANT_LABEL = "modelfleet.dev/tenant"
 MANAGED_BY = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
@@ -49,31 +50,51 @@ def resource_quota(tenant: Tenant) -> dict[str, Any]:
     }
 
 
-def key_secret(tenant: Tenant, keys: list[ApiKey], pepper: bytes) -> dict[str, Any]:
-    """The hashes of a tenant's usable keys, for its data-plane pods to check bearer tokens against.
+def key_entry(tenant: Tenant, prefix: str, digest: str) -> dict[str, Any]:
+    """One line of the data plane's key file: the token's SHA-256, a label, and the tenant's rate limit."""
+    return {"sha256": digest, "name": prefix, "tokens_per_minute": tenant.token_rate_limit}
 
-    A pod verifies a token by HMAC-SHA256(pepper, token) == hash for the entry with the token's prefix.
-    The pepper here is the tenant's own, derived from the server's; it opens nothing elsewhere.
+
+def key_entries(secret: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The entries of an existing key Secret (none if it is missing or unreadable)."""
+    encoded = ((secret or {}).get("data") or {}).get(KEYS_SECRET_FILE)
+    if not encoded:
+        return []
+    try:
+        entries = json.loads(base64.b64decode(encoded))
+    except ValueError:
+        return []
+    return [e for e in entries if isinstance(e, dict) and "sha256" in e] if isinstance(entries, list) else []
+
+
+def reconcile_key_entries(
+    tenant: Tenant, entries: list[dict[str, Any]], usable_prefixes: list[str], new: tuple[str, str] | None
+) -> list[dict[str, Any]]:
+    """Keep the entries of keys that still authenticate (revoked and expired ones go), at the tenant's
+    current limit, plus the new key's entry."""
+    usable = set(usable_prefixes)
+    kept = [key_entry(tenant, e["name"], e["sha256"]) for e in entries if e.get("name") in usable]
+    if new is not None:
+        kept = [e for e in kept if e["name"] != new[0]] + [key_entry(tenant, *new)]
+    return sorted(kept, key=lambda e: e["name"])
+
+
+def key_secret(tenant: Tenant, entries: list[dict[str, Any]], resource_version: str | None) -> dict[str, Any]:
+    """The Secret the tenant's data-plane pods mount as their key file (JSON, digests only).
+
+    With the resourceVersion that was read, the API server refuses the write if the Secret changed
+    since, so two concurrent key changes cannot drop each other's entry.
     """
-    document = {
-        "algorithm": HASH_ALGORITHM,
-        "pepper": pepper.hex(),
-        "tokenRateLimit": tenant.token_rate_limit,
-        "keys": [
-            {
-                "prefix": key.prefix,
-                "hash": key.key_hash,
-                "expiresAt": key.expires_at.isoformat() if key.expires_at else None,
-            }
-            for key in keys
-        ],
-    }
+    meta = _meta(KEYS_SECRET, tenant)
+    if resource_version:
+        meta["resourceVersion"] = resource_version
+    document = json.dumps(entries, indent=1, sort_keys=True).encode()
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(KEYS_SECRET, tenant),
+        "metadata": meta,
         "type": "Opaque",
-        "stringData": {KEYS_SECRET_FILE: json.dumps(document, indent=1, sort_keys=True)},
+        "data": {KEYS_SECRET_FILE: base64.b64encode(document).decode()},
     }
 
 

@@ -64,11 +64,7 @@ def get_principal(
         return Principal(role="admin")
     prefix = security.parse_prefix(token)
     key = crud.find_api_key(session, prefix=prefix) if prefix else None
-    if key is None or not security.key_matches(
-        token,
-        key.key_hash,
-        security.tenant_pepper(settings.key_pepper.get_secret_value(), key.tenant.namespace),
-    ):
+    if key is None or not security.key_matches(token, key.key_hash, settings.key_pepper.get_secret_value()):
         raise NotAuthenticated("invalid API key; check the key or ask for a new one")
     if key.revoked_at is not None:
         raise NotAuthenticated(f"API key {key.prefix} was revoked; use another key")

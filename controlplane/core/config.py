@@ -35,7 +35,7 @@ class Settings(BaseSettings):
     db_pool_size: int = Field(default=10, ge=1)
     db_connect_timeout_s: int = Field(default=5, ge=1)
     migrate_retry_s: float = Field(default=5.0, gt=0)
-    default_page_size: int = Field(default=50, ge=1, le=1000)
+    key_sync_interval_s: float = Field(default=60.0, gt=0, description="how often expired keys leave Secrets")
 
     @field_validator("database_url")
     @classmethod

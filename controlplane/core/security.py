@@ -1,9 +1,10 @@
 """API keys: a random token with a short public prefix, stored as the prefix and a keyed hash only.
 
-A key reads `mf_<prefix>_<secret>`. The prefix finds the row; the hash proves the secret. The hash is
-HMAC-SHA256 under a per-tenant pepper derived from the server's pepper, so the Secret mounted by a
-tenant's data-plane pods can carry that tenant's pepper without exposing the server's or another tenant's.
-Keys carry 256 random bits, so a fast keyed hash is enough (slow hashes are for guessable passwords).
+A key reads `mf_<prefix>_<secret>`. The prefix finds the row; the hash proves the secret. The database
+keeps HMAC-SHA256 under the server's pepper, so a copy of the database alone verifies nothing. The
+data-plane pods check the plain SHA-256 digest that their key file holds (dataplane/server/auth.py); that
+digest is computed only while the token is at hand, at creation, and goes only into the tenant's Secret.
+Keys carry 256 random bits, so a fast hash is enough (slow hashes are for guessable passwords).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 
 KEY_SCHEME = "mf"
 PREFIX_LENGTH = 8
-HASH_ALGORITHM = "hmac-sha256"
 _PREFIX_ALPHABET = string.ascii_lowercase + string.digits
 
 
@@ -30,15 +30,16 @@ class NewKey:
         return f"NewKey(prefix={self.prefix!r})"
 
 
-def tenant_pepper(server_pepper: str, namespace: str) -> bytes:
-    return hmac.new(server_pepper.encode(), f"tenant:{namespace}".encode(), hashlib.sha256).digest()
+def hash_key(token: str, pepper: str) -> str:
+    return hmac.new(pepper.encode(), token.encode(), hashlib.sha256).hexdigest()
 
 
-def hash_key(token: str, pepper: bytes) -> str:
-    return hmac.new(pepper, token.encode(), hashlib.sha256).hexdigest()
+def serving_digest(token: str) -> str:
+    """What a data-plane key file holds for this token."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
-def new_key(pepper: bytes) -> NewKey:
+def new_key(pepper: str) -> NewKey:
     prefix = "".join(secrets.choice(_PREFIX_ALPHABET) for _ in range(PREFIX_LENGTH))
     token = f"{KEY_SCHEME}_{prefix}_{secrets.token_urlsafe(32)}"
     return NewKey(token=token, prefix=prefix, key_hash=hash_key(token, pepper))
@@ -52,7 +53,7 @@ def parse_prefix(token: str) -> str | None:
     return parts[1]
 
 
-def key_matches(token: str, key_hash: str, pepper: bytes) -> bool:
+def key_matches(token: str, key_hash: str, pepper: str) -> bool:
     return hmac.compare_digest(hash_key(token, pepper), key_hash)
 
 

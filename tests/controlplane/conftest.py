@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from controlplane_factories import PEPPER, Factory, MemoryStore, make_settings
+from controlplane_factories import Factory, MemoryStore, make_settings
 from fastapi.testclient import TestClient
 from modelfleet.controlplane import pgserver
 from modelfleet.controlplane.cluster import KubernetesCluster
@@ -56,7 +56,7 @@ def store() -> MemoryStore:
 
 @pytest.fixture
 def client(database_url: str, store: MemoryStore) -> Iterator[TestClient]:
-    cluster = KubernetesCluster(store, server_pepper=PEPPER, where="(in-memory test store)")
+    cluster = KubernetesCluster(store, where="(in-memory test store)")
     with TestClient(create_app(make_settings(database_url), cluster=cluster)) as test_client:
         yield test_client
 

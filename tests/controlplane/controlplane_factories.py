@@ -3,23 +3,28 @@ that make tenants, keys, models and versions through the API with unique names."
 
 from __future__ import annotations
 
+import base64
 import copy
 import itertools
+import json
 from typing import Any
 
 from fastapi.testclient import TestClient
 from modelfleet.controlplane.core.config import Settings
+from modelfleet.controlplane.errors import ClusterConflict
 
 ADMIN_KEY = "test-admin-key-0123456789abcdef"
 PEPPER = "test-pepper-0123456789abcdef"
 
 
 class MemoryStore:
-    """The Kubernetes API as a dict: apply keeps an object's status (the operator's part), like SSA."""
+    """The Kubernetes API as a dict. Like server-side apply, an apply keeps the object's status (the
+    operator's part) and is refused when it names a resourceVersion that is no longer current."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str | None, str], dict[str, Any]] = {}
         self.fail_with: Exception | None = None
+        self.versions = itertools.count(1)
 
     def _key(self, api_version: str, kind: str, name: str, namespace: str | None) -> tuple:
         return (api_version, kind, namespace, name)
@@ -29,9 +34,14 @@ class MemoryStore:
             raise self.fail_with
         meta = body["metadata"]
         key = self._key(body["apiVersion"], body["kind"], meta["name"], meta.get("namespace"))
+        existing = self.objects.get(key)
+        expected = meta.get("resourceVersion")
+        if expected and (existing is None or existing["metadata"]["resourceVersion"] != expected):
+            raise ClusterConflict(f"{body['kind']} {meta['name']} changed meanwhile")
         stored = copy.deepcopy(body)
-        if key in self.objects and "status" in self.objects[key]:
-            stored["status"] = self.objects[key]["status"]
+        stored["metadata"]["resourceVersion"] = str(next(self.versions))
+        if existing and "status" in existing:
+            stored["status"] = existing["status"]
         self.objects[key] = stored
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None) -> None:
@@ -132,3 +142,9 @@ class Factory:
         self.version(tenant, model, "v2", headers, parent="v1")
         self.traffic(tenant, model, {"v1": 90, "v2": 10}, headers)
         return model
+
+
+def key_file(store: MemoryStore, tenant: str) -> list[dict[str, Any]]:
+    """The entries of a tenant's key Secret, as the data plane reads them."""
+    secret = store.find("Secret", "modelfleet-api-keys", tenant)
+    return json.loads(base64.b64decode(secret["data"]["keys"])) if secret else []

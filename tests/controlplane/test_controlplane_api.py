@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import UTC, datetime, timedelta
 
-from controlplane_factories import ADMIN, PEPPER, Factory, MemoryStore, bearer
+from controlplane_factories import ADMIN, PEPPER, Factory, MemoryStore, bearer, key_file
 from fastapi.testclient import TestClient
-from modelfleet.controlplane.core.security import hash_key, tenant_pepper
+from modelfleet.controlplane.core.security import hash_key, serving_digest
+from modelfleet.controlplane.main import sync_expired_keys
 from modelfleet.controlplane.models import ApiKey
+from modelfleet.dataplane.server.auth import KeyStore
 from modelfleet.operator.validation import validate_inference_model, validate_model_version
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 API = "/api/v1"
 
@@ -55,8 +58,10 @@ def test_duplicate_tenant_and_namespace_conflict(client: TestClient, factory: Fa
     assert same_ns.status_code == 409 and same_ns.json()["error"]["param"] == "namespace"
 
 
-def test_key_is_shown_once_stored_hashed_and_mirrored_as_hashes(client: TestClient, factory: Factory, store):
-    tenant = factory.tenant()
+def test_key_is_shown_once_stored_hashed_and_mirrored_as_digests(
+    client: TestClient, factory: Factory, store, tmp_path
+):
+    tenant = factory.tenant(token_rate_limit=5000)
     created = factory.key(tenant, name="ci", expires_in_days=30)
     token = created["key"]
     assert token.startswith(f"mf_{created['prefix']}_")
@@ -68,37 +73,65 @@ def test_key_is_shown_once_stored_hashed_and_mirrored_as_hashes(client: TestClie
     one = client.get(f"{API}/tenants/{tenant}/keys/{created['id']}", headers=ADMIN).json()
     assert "key" not in one and one["expires_at"] is not None
 
+    with client.app.state.sessionmaker() as session:
+        row = session.scalar(select(ApiKey).where(ApiKey.prefix == created["prefix"]))
+        stored = {c.key: getattr(row, c.key) for c in ApiKey.__mapper__.column_attrs}
+    assert token not in repr(stored) and row.key_hash == hash_key(token, PEPPER)
+    assert row.key_hash != serving_digest(token)  # the database alone cannot check a data-plane key
+
     secret = store.find("Secret", "modelfleet-api-keys", tenant)
-    document = json.loads(secret["stringData"]["keys.json"])
     assert token not in json.dumps(secret)
-    pepper = bytes.fromhex(document["pepper"])
-    assert pepper == tenant_pepper(PEPPER, tenant)
-    (entry,) = document["keys"]
-    assert entry["prefix"] == created["prefix"] and entry["hash"] == hash_key(token, pepper)
+    assert key_file(store, tenant) == [
+        {"sha256": serving_digest(token), "name": created["prefix"], "tokens_per_minute": 5000}
+    ]
+    # The data plane's own parser accepts the file and finds the key by its digest.
+    path = tmp_path / "keys"
+    path.write_bytes(base64.b64decode(secret["data"]["keys"]))
+    principal = KeyStore(path).authenticate(f"Bearer {token}")
+    assert principal.key_id == created["prefix"] and principal.limits.tokens_per_minute == 5000
 
 
-def test_revoked_and_expired_keys_are_refused(client: TestClient, factory: Factory, store):
+def test_revoked_and_expired_keys_are_refused_and_leave_the_secret(
+    client: TestClient, factory: Factory, store: MemoryStore
+):
     tenant = factory.tenant()
     keep, drop = factory.key(tenant), factory.key(tenant)
-    assert (
-        client.delete(f"{API}/tenants/{tenant}/keys/{drop['id']}", headers=bearer(keep["key"])).status_code
-        == 204
-    )
+    revoked = client.delete(f"{API}/tenants/{tenant}/keys/{drop['id']}", headers=bearer(keep["key"]))
+    assert revoked.status_code == 204
     refused = client.get(f"{API}/me", headers=bearer(drop["key"]))
     assert refused.status_code == 401 and "revoked" in refused.json()["error"]["message"]
     assert refused.headers["www-authenticate"] == "Bearer"
-    document = json.loads(store.find("Secret", "modelfleet-api-keys", tenant)["stringData"]["keys.json"])
-    assert [k["prefix"] for k in document["keys"]] == [keep["prefix"]]
+    assert [entry["name"] for entry in key_file(store, tenant)] == [keep["prefix"]]
 
-    session = client.app.state.sessionmaker()
-    with session.begin():
-        past = datetime.now(UTC) - timedelta(seconds=1)
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    with client.app.state.sessionmaker() as session, session.begin():
         session.execute(update(ApiKey).where(ApiKey.id == keep["id"]).values(expires_at=past))
-    session.close()
     expired = client.get(f"{API}/me", headers=bearer(keep["key"]))
     assert expired.status_code == 401 and "expired" in expired.json()["error"]["message"]
+    synced = sync_expired_keys(client.app, since=past - timedelta(minutes=1), until=datetime.now(UTC))
+    assert synced >= 1 and key_file(store, tenant) == []
     with_all = client.get(f"{API}/tenants/{tenant}/keys", params={"include_revoked": True}, headers=ADMIN)
     assert with_all.json()["count"] == 2
+
+
+def test_concurrent_key_changes_keep_every_entry(client: TestClient, factory: Factory, store: MemoryStore):
+    """A Secret write that lost a race is refused (resourceVersion) and redone on the fresh copy."""
+    tenant = factory.tenant()
+    first = factory.key(tenant)
+    real_get = store.get
+    raced = []
+
+    def get_then_someone_else_writes(*args):
+        found = real_get(*args)
+        if args[1] == "Secret" and not raced:
+            raced.append(True)
+            secret = real_get(*args)
+            store.apply({**secret, "metadata": {**secret["metadata"], "resourceVersion": None}})
+        return found
+
+    store.get = get_then_someone_else_writes
+    second = factory.key(tenant)
+    assert raced and {e["name"] for e in key_file(store, tenant)} == {first["prefix"], second["prefix"]}
 
 
 def test_missing_and_wrong_keys_are_401(client: TestClient, factory: Factory):

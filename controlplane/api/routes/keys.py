@@ -12,6 +12,7 @@ from modelfleet.controlplane.api.deps import (
     SettingsDep,
     TenantDep,
 )
+from modelfleet.controlplane.core import security
 from modelfleet.controlplane.errors import NotFound
 from modelfleet.controlplane.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, Page
 
@@ -34,7 +35,9 @@ def create_key(
         actor=principal.actor,
         server_pepper=settings.key_pepper.get_secret_value(),
     )
-    cluster.apply_keys(tenant, list(crud.usable_api_keys(session, tenant=tenant)))
+    # The data plane's digest is made here, while the token is at hand; it is kept only in the Secret.
+    new_key = (key.prefix, security.serving_digest(token))
+    cluster.apply_keys(tenant, crud.usable_key_prefixes(session, tenant=tenant), new_key=new_key)
     session.commit()
     return ApiKeyCreated(**ApiKeyPublic.model_validate(key).model_dump(), key=token)
 
@@ -70,6 +73,6 @@ def revoke_key(
     if key is None:
         raise NotFound(f"API key {key_id} not found in tenant {tenant.name!r}", param="key_id")
     crud.revoke_api_key(session, key=key, tenant=tenant, actor=principal.actor)
-    cluster.apply_keys(tenant, list(crud.usable_api_keys(session, tenant=tenant)))
+    cluster.apply_keys(tenant, crud.usable_key_prefixes(session, tenant=tenant))
     session.commit()
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -15,7 +15,7 @@ def create_tenant(
     tenant_in: TenantCreate, principal: AdminPrincipal, session: SessionDep, cluster: ClusterDep
 ) -> TenantPublic:
     tenant = crud.create_tenant(session, tenant_in=tenant_in, actor=principal.actor)
-    cluster.apply_tenant(tenant, keys=[])
+    cluster.apply_tenant(tenant, usable_keys=[])
     session.commit()
     return TenantPublic.model_validate(tenant)
 
@@ -41,7 +41,7 @@ def update_tenant(
     cluster: ClusterDep,
 ) -> TenantPublic:
     tenant = crud.update_tenant(session, tenant=tenant, tenant_in=tenant_in, actor=principal.actor)
-    cluster.apply_tenant(tenant, keys=list(crud.usable_api_keys(session, tenant=tenant)))
+    cluster.apply_tenant(tenant, usable_keys=crud.usable_key_prefixes(session, tenant=tenant))
     session.commit()
     return TenantPublic.model_validate(tenant)
 
