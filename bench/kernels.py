@@ -130,8 +130,7 @@ def bench_small_ops(dtype, device) -> list[dict]:
     w = torch.randn(hidden, device=device, dtype=dtype)
     gate_up = [torch.randn(tokens, 2 * inter, device=device, dtype=dtype) for _ in range(n)]
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    cache = reference.rope_cos_sin_cache(inv_freq, 8192, dtype)
-    pos = torch.randint(0, 8192, (tokens,), device=device)
+    cos, sin = reference.rope_cos_sin(inv_freq, torch.randint(0, 8192, (tokens,), device=device), dtype)
     qs = [torch.randn(tokens, heads, head_dim, device=device, dtype=dtype) for _ in range(n)]
     ks = [torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(n)]
     cases = {
@@ -144,8 +143,8 @@ def bench_small_ops(dtype, device) -> list[dict]:
             lambda i: reference.silu_and_mul_native(gate_up[i]),
         ),
         "rotary_embedding": (
-            lambda i: rotary_embedding(pos, qs[i], ks[i], cache),
-            lambda i: reference.rotary_embedding_native(pos, qs[i], ks[i], cache),
+            lambda i: rotary_embedding(qs[i], ks[i], cos, sin),
+            lambda i: reference.rotary_embedding_native(qs[i], ks[i], cos, sin),
         ),
     }
     results = []

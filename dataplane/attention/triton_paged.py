@@ -3,7 +3,8 @@
 Decode-only steps (every sequence computes one token) take the split-KV decode kernel; any step with a
 longer query (prefill, chunked prefill, prefix-cached prompts, mixed batches) takes the extend kernel.
 Neither reads data on the host, so a decode step can be captured in a CUDA graph. Importing this module
-needs neither Triton nor a GPU: the kernels load on first use.
+needs neither Triton nor a GPU: the kernels load on first use. Where Triton can run, importing it also
+makes the Triton RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those model ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import torch
 from modelfleet.dataplane.attention.backend import AttentionBackend, register_backend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
+from modelfleet.dataplane.kernels.registry import register_triton_ops
+
+register_triton_ops()
 
 
 @register_backend("triton")

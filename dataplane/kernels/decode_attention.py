@@ -182,12 +182,16 @@ def decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence (token query_start_loc[b] of q [T, Hq, D]) over its KV.
 
     `sliding_window` W: each query sees only keys at positions p-W+1..p.
     `max_seq_len` only steers the number of splits (default: the block table's capacity, which stays
-    fixed for a captured CUDA graph); `num_splits` overrides the choice.
+    fixed for a captured CUDA graph); `num_splits` overrides the choice. `block_n` (KV tokens per tile),
+    `num_warps` and `num_stages` are tuning knobs.
     """
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
@@ -213,7 +217,7 @@ def decode_attention(
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_d = next_power_of_2(head_dim)
-    block_n = 64 if q.element_size() <= 2 else 32
+    block_n = block_n or (64 if q.element_size() <= 2 else 32)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -243,8 +247,8 @@ def decode_attention(
         BLOCK_N=block_n,
         ONE_SPLIT=one_split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=3 if q.element_size() <= 2 else 2,
+        num_warps=num_warps,
+        num_stages=num_stages or (3 if q.element_size() <= 2 else 2),
     )
     if not one_split:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -83,27 +83,25 @@ def rms_norm_native(
     return out if residual is None else (out, summed)
 
 
-def rope_cos_sin_cache(
-    inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype, attention_scaling: float = 1.0
-) -> torch.Tensor:
-    """[max_positions, 2 * len(inv_freq)]: cos of each position's angles, then their sin (float32 math)."""
-    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
-    angles = positions[:, None] * inv_freq.float()[None, :]
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).mul(attention_scaling).to(dtype)
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D/2] of each position's angles: float32 math, then cast to the model dtype (as HF)."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotary_embedding_native(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotation (HF Llama's rotate_half) of q [T, Hq, D] and k [T, Hkv, D]; out of place."""
-    half = cos_sin_cache.shape[-1] // 2
-    cos, sin = cos_sin_cache[positions].to(q.dtype).split(half, dim=-1)
+    """Neox-style rotation (HF Llama's rotate_half) of q [T, Hq, D] and k [T, Hkv, D] by cos, sin
+    [T, D/2]; out of place."""
+    half = cos.shape[-1]
     cos = torch.cat([cos, cos], dim=-1)[:, None, :]
     sin = torch.cat([sin, sin], dim=-1)[:, None, :]
 
     def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([-x2, x1], dim=-1)
+        return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 

@@ -57,10 +57,11 @@ def rms_norm(
     x2 = x.reshape(-1, hidden_size)
     if x2.stride(-1) != 1:
         raise ValueError("rms_norm: x needs a contiguous last dimension")
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     out2 = out.view(-1, hidden_size)
     if residual is not None:
-        residual_out = torch.empty_like(x) if residual_out is None else residual_out
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         r2, ro2 = residual.reshape(-1, hidden_size), residual_out.view(-1, hidden_size)
     else:
         r2 = ro2 = x2  # unused

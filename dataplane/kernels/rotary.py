@@ -1,4 +1,4 @@
-"""Rotary position embedding, neox style (HF Llama's rotate_half), applied to q and k in place."""
+"""Rotary position embedding, neox style (HF Llama's rotate_half: the two halves of each head rotate)."""
 
 import torch
 import triton
@@ -7,10 +7,13 @@ from modelfleet.dataplane.kernels.availability import next_power_of_2
 
 
 @triton.jit
-def _rotate(
+def _rotate_heads(
     x_ptr,
-    stride_t,
-    stride_h,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
     token,
     cos,
     sin,
@@ -19,31 +22,39 @@ def _rotate(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_HALF)
-    mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
-    first = x_ptr + token * stride_t + heads[:, None] * stride_h + dims[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    src = x_ptr + token * stride_xt + heads * stride_xh + dims
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
-    # each product rounds to the model dtype before the sum, as q * cos + rotate_half(q) * sin does
+    # each product rounds to the model dtype before the sum, as x * cos + rotate_half(x) * sin does
     o1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, o1.to(dtype), mask=mask)
-    tl.store(first + HALF, o2.to(dtype), mask=mask)
+    dst = out_ptr + token * stride_ot + heads * stride_oh + dims
+    tl.store(dst, o1.to(dtype), mask=mask)
+    tl.store(dst + HALF, o2.to(dtype), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr,
     q_ptr,
     k_ptr,
-    cos_sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
-    stride_cs,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
     num_heads,
     num_kv_heads,
     HALF: tl.constexpr,
@@ -52,62 +63,59 @@ def _rotary_kernel(
     BLOCK_HK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < HALF
-    # cos/sin in the model dtype (HF casts them before use), multiplied in float32
-    dtype = q_ptr.dtype.element_ty
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + dims, mask=dim_mask, other=0.0).to(dtype).to(tl.float32)
-    sin = (
-        tl.load(cos_sin_ptr + pos * stride_cs + HALF + dims, mask=dim_mask, other=0.0)
-        .to(dtype)
-        .to(tl.float32)
-    )
-    _rotate(
-        q_ptr, stride_qt, stride_qh, token, cos[None, :], sin[None, :], num_heads, HALF, BLOCK_HQ, BLOCK_HALF
-    )
-    _rotate(
-        k_ptr,
-        stride_kt,
-        stride_kh,
-        token,
-        cos[None, :],
-        sin[None, :],
-        num_kv_heads,
-        HALF,
-        BLOCK_HK,
-        BLOCK_HALF,
-    )
+    cos = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(
+        q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, cos, sin, num_heads,
+        HALF, BLOCK_HQ, BLOCK_HALF,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, stride_kt, stride_kh, stride_kot, stride_koh, token, cos, sin, num_kv_heads,
+        HALF, BLOCK_HK, BLOCK_HALF,
+    )  # fmt: skip
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place (views of a fused qkv are fine); returns them.
-
-    cos_sin_cache [max_positions, D]: cos of the D/2 angles, then their sin
-    (see reference.rope_cos_sin_cache).
-    """
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] (strided views of a fused qkv are fine) by cos, sin
+    [T, D/2] (in q's dtype, as HF casts them); new tensors, or q and k themselves when `inplace`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("rotary_embedding: q, k and cos_sin_cache need a contiguous last dimension")
-    if cos_sin_cache.shape[-1] != head_dim:
+    half = head_dim // 2
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rotary_embedding: q, k, cos and sin need a contiguous last dimension")
+    if cos.shape[-1] != half or sin.shape[-1] != half:
         raise ValueError(
-            f"rotary_embedding: cos_sin_cache has {cos_sin_cache.shape[-1]} columns, need {head_dim}"
+            f"rotary_embedding: cos and sin need {half} columns (head_dim / 2), got {cos.shape[-1]}"
         )
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens:
-        half = head_dim // 2
         _rotary_kernel[(num_tokens,)](
-            positions,
             q,
             k,
-            cos_sin_cache,
+            q_out,
+            k_out,
+            cos,
+            sin,
             q.stride(0),
             q.stride(1),
             k.stride(0),
             k.stride(1),
-            cos_sin_cache.stride(0),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos.stride(0),
+            sin.stride(0),
             num_heads,
             num_kv_heads,
             HALF=half,
@@ -116,4 +124,4 @@ def rotary_embedding(
             BLOCK_HK=next_power_of_2(num_kv_heads),
             num_warps=4 if num_heads * head_dim >= 2048 else 1,
         )
-    return q, k
+    return q_out, k_out

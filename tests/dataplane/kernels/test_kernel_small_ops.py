@@ -2,7 +2,7 @@ import pytest
 import torch
 from modelfleet.dataplane.kernels.reference import (
     rms_norm_native,
-    rope_cos_sin_cache,
+    rope_cos_sin,
     rotary_embedding_native,
     silu_and_mul_native,
 )
@@ -45,25 +45,30 @@ def test_rms_norm_in_place(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 64), (8, 8, 128), (12, 4, 80)])
-def test_rotary_matches_reference(device, dtype, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary_matches_reference(device, dtype, num_heads, num_kv_heads, head_dim, inplace):
     from modelfleet.dataplane.kernels.rotary import rotary_embedding
 
     num_tokens = 45
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    cache = rope_cos_sin_cache(inv_freq, 8192, dtype)
-    positions = torch.randint(0, 8192, (num_tokens,), device=device)
+    cos, sin = rope_cos_sin(inv_freq, torch.randint(0, 8192, (num_tokens,), device=device), dtype)
     # q and k as views of one fused qkv projection (strided, as the model makes them)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device).to(dtype)
+    qkv_before = qkv.clone()
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
         num_tokens, num_kv_heads, head_dim
     )
-    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
-    want_q, want_k = rotary_embedding_native(positions, q.clone(), k.clone(), cache)
-    rotary_embedding(positions, q, k, cache)
-    torch.testing.assert_close(q, want_q, **TOLERANCES[dtype])
-    torch.testing.assert_close(k, want_k, **TOLERANCES[dtype])
-    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
+    want_q, want_k = rotary_embedding_native(q, k, cos, sin)
+    got_q, got_k = rotary_embedding(q, k, cos, sin, inplace=inplace)
+    torch.testing.assert_close(got_q, want_q, **TOLERANCES[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOLERANCES[dtype])
+    v_cols = slice((num_heads + num_kv_heads) * head_dim, None)
+    assert torch.equal(qkv[:, v_cols], qkv_before[:, v_cols])  # v untouched either way
+    if inplace:
+        assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    else:
+        assert torch.equal(qkv, qkv_before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,186 @@
+"""CUDA graphs for decode steps: capture a forward once per batch size, then replay it.
+
+A decode step launches hundreds of small kernels whose launch cost exceeds their run time at small
+batches; a replayed graph launches them all at once. A graph replays fixed addresses and shapes, so the
+runner owns static input buffers (first dimension sized for the largest batch); a step copies its inputs
+into their leading rows, pads the batch up to the nearest captured size, and replays. Padding rows take
+each buffer's pad value (e.g. slot -1: no KV write; sequence length 0: no attention).
+
+    runner = DecodeGraphRunner(forward, buffers, batch_sizes=[1, 2, 4, 8, 16, 32], pad_values={...})
+    runner.capture()
+    hidden = runner.run({"input_ids": ids, ...}, batch_size=n)   # a view of the graph's output
+
+`forward(views)` gets each buffer cut to the padded batch (buffers with extra leading rows, like
+query_start_loc's B+1, keep that extra). Buffers not named in run()'s inputs keep their contents (e.g. a
+query_start_loc fixed at 0, 1, 2, ...). The output of run() lives in graph memory: read it before the
+next run(). Without CUDA, or for batches over the largest captured size, `forward` runs eagerly on the
+inputs plus `static_inputs(batch_size)` (what the kept buffers would hold for that batch).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        forward: Forward,
+        buffers: Mapping[str, torch.Tensor],
+        batch_sizes: Sequence[int],
+        *,
+        pad_values: Mapping[str, int | float] | None = None,
+        static_inputs: Callable[[int], dict[str, torch.Tensor]] | None = None,
+        enabled: bool = True,
+        warmup_runs: int = 2,
+    ) -> None:
+        if not buffers:
+            raise ValueError("DecodeGraphRunner: buffers is empty; give the forward's static inputs")
+        self.forward = forward
+        self.buffers = dict(buffers)
+        self.max_batch = max(batch_sizes, default=0)
+        # rows a buffer has beyond the batch (query_start_loc: 1); the same for every batch size
+        self.extra_rows = {name: buf.shape[0] - self.max_batch for name, buf in self.buffers.items()}
+        bad = [name for name, extra in self.extra_rows.items() if extra < 0]
+        if bad:
+            raise ValueError(f"DecodeGraphRunner: buffers {bad} have fewer rows than the largest batch size")
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.pad_values = dict(pad_values or {})
+        self.static_inputs = static_inputs
+        device = next(iter(self.buffers.values())).device
+        self.enabled = enabled and device.type == "cuda" and torch.cuda.is_available()
+        self.warmup_runs = warmup_runs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def views(self, batch_size: int) -> dict[str, torch.Tensor]:
+        return {name: buf[: batch_size + self.extra_rows[name]] for name, buf in self.buffers.items()}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per batch size, largest first, all sharing one memory pool."""
+        if not self.enabled:
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for batch_size in reversed(self.batch_sizes):
+                views = self.views(batch_size)
+                for _ in range(self.warmup_runs):  # compiles kernels, settles allocator and autotuning
+                    self.forward(views)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.outputs[batch_size] = self.forward(views)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[batch_size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+
+    def padded_size(self, batch_size: int) -> int | None:
+        """The smallest captured batch size that holds batch_size, or None."""
+        i = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) and self.graphs else None
+
+    def run(self, inputs: Mapping[str, torch.Tensor], batch_size: int) -> torch.Tensor:
+        """inputs: name -> tensor with batch_size (+ that buffer's extra) rows; returns the output rows of
+        the real batch. Trailing dims may be smaller than the buffer's (e.g. a narrower block table)."""
+        padded = self.padded_size(batch_size) if self.enabled else None
+        if padded is None:
+            return self.forward(self._eager_inputs(inputs, batch_size))
+        for name, value in inputs.items():
+            buf = self.buffers[name]
+            rows = batch_size + self.extra_rows[name]
+            target = buf[(slice(0, rows), *(slice(0, n) for n in value.shape[1:]))]
+            target.copy_(value, non_blocking=True)
+            if padded > batch_size:
+                buf[rows : padded + self.extra_rows[name]].fill_(self.pad_values.get(name, 0))
+        self.graphs[padded].replay()
+        return self.outputs[padded][:batch_size]
+
+    def _eager_inputs(self, inputs: Mapping[str, torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
+        """The given inputs plus the kept ones: from `static_inputs`, else the buffers' leading rows."""
+        full = dict(self.static_inputs(batch_size)) if self.static_inputs else {}
+        full.update(inputs)
+        for name, buf in self.buffers.items():
+            if name in full:
+                continue
+            rows = batch_size + self.extra_rows[name]
+            if rows > buf.shape[0]:
+                raise ValueError(
+                    f"DecodeGraphRunner: input {name!r} is needed for a batch of {batch_size} (over the "
+                    f"buffers' {self.max_batch}); pass it to run() or give static_inputs"
+                )
+            full[name] = buf[:rows]
+        return full
+
+
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_batch_size (and max_batch_size itself)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 16))
+    return sorted({*sizes, max_batch_size})
+
+
+def model_decode_runner(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    *,
+    max_batch_size: int,
+    max_blocks_per_seq: int,
+    batch_sizes: Sequence[int] | None = None,
+    enabled: bool = True,
+) -> DecodeGraphRunner:
+    """A runner for a CausalLM's decode steps (model(input_ids, positions, kv_caches, metadata)).
+
+    run() takes input_ids, positions, slot_mapping, seq_lens [B] and block_tables [B, <= max_blocks];
+    query_start_loc stays 0..B (one token per sequence). Graphs need an attention backend that never
+    reads device data on the host ("triton"); with any other the runner runs eagerly.
+    """
+    from modelfleet.dataplane.attention.metadata import AttentionMetadata
+
+    device = kv_caches[0].device
+    block_size = kv_caches[0].shape[2]
+    buffers = {
+        "input_ids": torch.zeros(max_batch_size, dtype=torch.long, device=device),
+        "positions": torch.zeros(max_batch_size, dtype=torch.long, device=device),
+        "slot_mapping": torch.full((max_batch_size,), -1, dtype=torch.long, device=device),
+        "query_start_loc": torch.arange(max_batch_size + 1, dtype=torch.int32, device=device),
+        "seq_lens": torch.zeros(max_batch_size, dtype=torch.int32, device=device),
+        "block_tables": torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device),
+    }
+    # fixed so that the captured launch shapes (e.g. decode's KV splits) suit every later step
+    max_seq_len = max_blocks_per_seq * block_size
+
+    def forward(views: dict[str, torch.Tensor]) -> torch.Tensor:
+        metadata = AttentionMetadata(
+            slot_mapping=views["slot_mapping"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=views["block_tables"],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        return model(views["input_ids"], views["positions"], kv_caches, metadata)
+
+    backend = getattr(getattr(model, "attention_backend", None), "name", None)
+    if enabled and backend != "triton":
+        logger.info("decode CUDA graphs off: attention backend %r reads device data on the host", backend)
+        enabled = False
+    return DecodeGraphRunner(
+        forward,
+        buffers,
+        batch_sizes or default_batch_sizes(max_batch_size),
+        pad_values={"slot_mapping": -1, "seq_lens": 0},
+        static_inputs=lambda n: {"query_start_loc": torch.arange(n + 1, dtype=torch.int32, device=device)},
+        enabled=enabled,
+    )
