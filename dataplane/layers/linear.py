@@ -1,10 +1,16 @@
-"""Linear layers. MergedLinear holds several checkpoint projections (q/k/v, gate/up) as one matmul."""
+"""Linear layers. MergedLinear holds several checkpoint projections (q/k/v, gate/up) as one matmul.
+
+`make_linear` builds the right kind for a checkpoint: float, or quantized (int8/fp8 weights with
+per-channel scales, modelfleet.dataplane.quantization). A fused module carries `part_names` and
+`part_sizes` so the loader can assemble it from the checkpoint's separate tensors.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.ops import get_op, register_op
+from modelfleet.dataplane.quantization import QuantizedLinear
 from torch import nn
 
 
@@ -40,5 +46,22 @@ class MergedLinear(Linear):
         self.part_sizes = list(part_sizes)
         self.part_names = list(part_names)
 
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(y.split(self.part_sizes, dim=-1))
+
+def make_linear(
+    in_features: int,
+    part_sizes: list[int],
+    part_names: list[str] | None = None,
+    *,
+    bias: bool = False,
+    quant_format: str | None = None,
+) -> nn.Module:
+    """One projection (a single part) or several fused ones (part_names given), float or quantized."""
+    if quant_format is None:
+        if part_names is None:
+            return Linear(in_features, sum(part_sizes), bias)
+        return MergedLinear(in_features, part_sizes, part_names, bias)
+    module = QuantizedLinear(in_features, sum(part_sizes), bias, quant_format)
+    if part_names is not None:
+        module.part_sizes = list(part_sizes)
+        module.part_names = list(part_names)
+    return module

@@ -23,6 +23,7 @@ from modelfleet.dataplane.models.config import (
 )
 from modelfleet.dataplane.models.llama import LlamaForCausalLM
 from modelfleet.dataplane.models.loader import CheckpointError, load_weights
+from modelfleet.dataplane.quantization import QuantizationError, check_fp8_supported
 
 CausalLM = LlamaForCausalLM  # the one family implemented; others would share its interface
 
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ModelConfig",
+    "QuantizationError",
     "RopeConfig",
     "UnsupportedModelError",
     "kv_cache_block_bytes",
@@ -56,12 +58,8 @@ def load_model(
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
-    if config.quantization is not None:
-        raise UnsupportedModelError(
-            f"{model_dir}: quantized checkpoints ({config.quantization.format}) need "
-            "modelfleet.dataplane.quantization.QuantizedLinear, which is not available yet; "
-            "serve the unquantized artifact"
-        )
+    if config.quantization is not None and config.quantization.format == "fp8":
+        check_fp8_supported(device)  # one clear line at load time rather than at the first request
     backend = get_backend(attention_backend or attention_backend_name(device))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend)

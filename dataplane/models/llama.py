@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.attention.backend import AttentionBackend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
-from modelfleet.dataplane.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from modelfleet.dataplane.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, make_linear
 from modelfleet.dataplane.models.config import ModelConfig
 from torch import nn
 
@@ -24,13 +24,18 @@ class LlamaAttention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
         self.backend = backend
-        self.qkv_proj = MergedLinear(
+        quant = config.quantization.format if config.quantization else None
+        self.qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.qkv_proj = make_linear(
             config.hidden_size,
-            [config.q_size, config.kv_size, config.kv_size],
+            self.qkv_sizes,
             ["q_proj", "k_proj", "v_proj"],
             bias=config.qkv_bias,
+            quant_format=quant,
         )
-        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = make_linear(
+            config.q_size, [config.hidden_size], bias=config.o_proj_bias, quant_format=quant
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -47,7 +52,7 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -66,11 +71,16 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=config.mlp_bias
+        quant = config.quantization.format if config.quantization else None
+        self.gate_up_proj = make_linear(
+            config.hidden_size,
+            [size, size],
+            ["gate_proj", "up_proj"],
+            bias=config.mlp_bias,
+            quant_format=quant,
         )
         self.act = SiluAndMul()
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = make_linear(size, [config.hidden_size], bias=config.mlp_bias, quant_format=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from modelfleet.dataplane.layers.linear import MergedLinear
 from safetensors import safe_open
 from torch import nn
 
 # Checkpoint tensors that some exporters write but that are derived, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 class CheckpointError(ValueError):
@@ -60,7 +60,7 @@ def _sources(model: nn.Module, param_name: str) -> list[str]:
     """Checkpoint names whose tensors make up one of our parameters (several for fused projections)."""
     module_name, _, attr = param_name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
-    if isinstance(module, MergedLinear):
+    if hasattr(module, "part_names"):  # a fused projection (see layers.linear.make_linear)
         parent = module_name.rpartition(".")[0]
         return [f"{parent}.{part}.{attr}" for part in module.part_names]
     return [param_name]
@@ -69,14 +69,14 @@ def _sources(model: nn.Module, param_name: str) -> list[str]:
 def _part_shapes(model: nn.Module, param_name: str, shape: torch.Size) -> list[tuple[int, ...]]:
     module_name = param_name.rpartition(".")[0]
     module = model.get_submodule(module_name) if module_name else model
-    if isinstance(module, MergedLinear):
+    if hasattr(module, "part_sizes"):
         return [(size, *shape[1:]) for size in module.part_sizes]
     return [tuple(shape)]
 
 
 def _convert(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # Floating weights take the serving dtype; quantized payloads (int8/fp8) and their scales keep theirs.
-    quantized = tensor.dtype in (torch.int8, torch.float8_e4m3fn) or name.endswith("_scale")
+    quantized = tensor.dtype in _QUANTIZED_DTYPES or name.endswith("_scale")
     if tensor.dtype.is_floating_point and not quantized:
         return tensor.to(device=device, dtype=dtype)
     return tensor.to(device=device)
@@ -97,6 +97,11 @@ def iter_state_dict(
                 raise CheckpointError(
                     f"checkpoint tensor {source!r} has shape {list(tensor.shape)}; "
                     f"config.json implies {list(shape)}"
+                )
+            if param.dtype in _QUANTIZED_DTYPES and tensor.dtype != param.dtype:
+                raise CheckpointError(
+                    f"checkpoint tensor {source!r} has dtype {tensor.dtype}; config.json quantization_config "
+                    f"needs {param.dtype} (was the checkpoint written by `modelfleet convert`?)"
                 )
             parts.append(_convert(source, tensor, device, dtype))
         yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

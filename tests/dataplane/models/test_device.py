@@ -10,14 +10,18 @@ from modelfleet.dataplane import device as dev
 def test_cpu_platform_and_defaults(monkeypatch):
     monkeypatch.delenv(dev.CPU_DTYPE_ENV, raising=False)
     assert dev.platform_of("cpu") == "cpu"
+    monkeypatch.setattr(dev, "cpu_has_native_bf16", lambda: True)
+    assert dev.default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(dev, "cpu_has_native_bf16", lambda: False)
     assert dev.default_dtype("cpu") == torch.float32
     assert dev.attention_backend_name("cpu") == "torch"
     assert dev.resolve_device("cpu") == torch.device("cpu")
 
 
 def test_cpu_dtype_override(monkeypatch):
-    monkeypatch.setenv(dev.CPU_DTYPE_ENV, "bfloat16")
-    assert dev.default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(dev, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setenv(dev.CPU_DTYPE_ENV, "float32")
+    assert dev.default_dtype("cpu") == torch.float32
     monkeypatch.setenv(dev.CPU_DTYPE_ENV, "float64")
     with pytest.raises(ValueError, match=dev.CPU_DTYPE_ENV):
         dev.default_dtype("cpu")

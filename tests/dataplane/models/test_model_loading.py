@@ -8,15 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 from model_checkpoints import make_checkpoint
+from modelfleet.dataplane.attention import AttentionMetadata
 from modelfleet.dataplane.models import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
     ConfigError,
     ModelConfig,
+    QuantizationError,
     UnsupportedModelError,
     kv_cache_block_bytes,
     load_model,
 )
+from modelfleet.dataplane.quantization import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 
@@ -135,11 +138,59 @@ def test_missing_config_json(tmp_path):
         load_model(tmp_path, device="cpu", dtype=torch.float32)
 
 
-def test_quantized_checkpoint_refused_or_loaded_clearly(llama_dir, tmp_path):
-    quant = {"quantization_config": {"quant_method": "modelfleet", "format": "int8"}}
-    bad = copy_with(llama_dir, tmp_path / "q", config_updates=quant)
-    with pytest.raises((UnsupportedModelError, CheckpointError), match=r"quantized|weight_scale"):
+QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INT8 = {"quantization_config": {"quant_method": "modelfleet", "format": "int8", "group": "per-channel"}}
+
+
+def quantize_state(state: dict, fmt: str) -> dict:
+    """The converters' checkpoint format: X.weight int8/fp8 plus X.weight_scale float32 [out]."""
+    out = {}
+    for name, tensor in state.items():
+        if name.rpartition(".")[0].endswith(QUANTIZED_PROJECTIONS) and name.endswith(".weight"):
+            out[name], out[name + "_scale"] = quantize(tensor, fmt)
+        else:
+            out[name] = tensor
+    return out
+
+
+def test_int8_checkpoint_matches_hf_with_dequantized_weights(tmp_path):
+    model_dir, hf_model = make_checkpoint("qwen2", tmp_path / "src")  # qkv bias and tied embeddings
+    quantized = copy_with(
+        model_dir, tmp_path / "int8", tensors=lambda s: quantize_state(s, "int8"), config_updates=INT8
+    )
+    ours = load_model(quantized, device="cpu", dtype=torch.float32)
+    assert ours.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    assert ours.model.layers[0].mlp.gate_up_proj.weight_scale.dtype == torch.float32
+    state = load_file(quantized / "model.safetensors")
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name + "_scale" in state:
+                param.copy_(dequantize(state[name], state[name + "_scale"]))
+        tokens = torch.arange(3, 20)
+        expected = hf_model(tokens[None]).logits[0]
+    cfg = ours.config
+    kv = [torch.zeros(2, 8, 4, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata.build(
+        query_lens=[17], seq_lens=[17], block_tables=[[4, 0, 6, 1, 2]], block_size=4
+    )
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(tokens, torch.arange(17), kv, meta))
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+
+
+def test_quantized_config_with_float_weights_is_refused(llama_dir, tmp_path):
+    bad = copy_with(llama_dir, tmp_path / "q", config_updates=INT8)
+    with pytest.raises(CheckpointError, match=r"weight_scale|dtype"):
         load_model(bad, device="cpu", dtype=torch.float32)
+
+
+def test_fp8_checkpoint_needs_a_capable_gpu(llama_dir, tmp_path):
+    fp8 = {"quantization_config": {"quant_method": "modelfleet", "format": "fp8"}}
+    quantized = copy_with(
+        llama_dir, tmp_path / "fp8", tensors=lambda s: quantize_state(s, "fp8"), config_updates=fp8
+    )
+    with pytest.raises(QuantizationError, match="fp8 weights need a CUDA GPU"):
+        load_model(quantized, device="cpu", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(
