@@ -1,5 +1,6 @@
 """Kernel benchmark: Triton paged decode attention against the device's copy bandwidth and the torch
-backend, in the same run; plus the prefill kernel and the small fused ops against their torch versions.
+backend, in the same run; plus the prefill kernel and the small fused ops against their torch versions,
+and one decode step of a Llama-3.2-1B-shaped model, eager against CUDA graphs, against its roofline.
 
 Prints one JSON line. Needs a CUDA GPU with Triton. Each timed call reads a different KV cache (several
 are rotated), so the numbers are not served from the L2 cache.
@@ -162,10 +163,98 @@ def bench_small_ops(dtype, device) -> list[dict]:
     return results
 
 
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": True, "eos_token_id": 128001,
+}  # fmt: skip
+
+
+def bench_decode_step(dtype, device, copy_gbps, batch_sizes=(1, 16, 64), context=256) -> list[dict]:
+    """One decode step (forward + logits) of a random-weight Llama-3.2-1B-shaped model, eager against
+    replayed CUDA graphs, with the roofline: weight and KV bytes per step over the copy bandwidth."""
+    import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton" and the ops)
+    from modelfleet.dataplane.attention import AttentionMetadata, get_backend
+    from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
+    from modelfleet.dataplane.models import ModelConfig
+    from modelfleet.dataplane.models.llama import LlamaForCausalLM
+
+    config = ModelConfig.from_hf_dict(LLAMA_1B)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    with torch.device(device):
+        model = LlamaForCausalLM(config, get_backend("triton"))
+    torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(1.0, 0.02) if param.dim() == 1 else param.normal_(0.0, 0.02)
+    model.after_load(device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_batch = max(batch_sizes)
+    blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
+    kv = torch.randn(
+        config.num_layers, 2, max_batch * blocks_per_seq, BLOCK_SIZE, config.num_kv_heads, config.head_dim,
+        device=device, dtype=dtype,
+    )  # fmt: skip
+    kv_caches = list(kv.unbind(0))
+    runner = model_decode_runner(
+        model, kv_caches, max_batch_size=max_batch, max_blocks_per_seq=blocks_per_seq, batch_sizes=batch_sizes
+    )
+    runner.capture()
+    results = []
+    for batch in batch_sizes:
+        tables = torch.arange(batch * blocks_per_seq, dtype=torch.int32, device=device).view(batch, -1)
+        seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
+        positions = torch.full((batch,), context, dtype=torch.long, device=device)
+        inputs = {
+            "input_ids": torch.randint(0, config.vocab_size, (batch,), device=device),
+            "positions": positions,
+            "slot_mapping": tables[:, context // BLOCK_SIZE].long() * BLOCK_SIZE + context % BLOCK_SIZE,
+            "seq_lens": seq_lens,
+            "block_tables": tables,
+        }
+        meta = AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"],
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=blocks_per_seq * BLOCK_SIZE,
+        )
+
+        def eager(_, inputs=inputs, meta=meta):
+            with torch.inference_mode():
+                model.compute_logits(model(inputs["input_ids"], inputs["positions"], kv_caches, meta))
+
+        def graphed(_, inputs=inputs, batch=batch):
+            with torch.inference_mode():
+                model.compute_logits(runner.run(inputs, batch))
+
+        eager_us, graph_us = median_us(eager, [None]), median_us(graphed, [None])
+        kv_read = batch * (context + 1) * 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        step_bytes = weight_bytes + kv_read * kv.element_size()
+        roofline_us = step_bytes / copy_gbps / 1e3
+        results.append(
+            {
+                "model": "llama-3.2-1b-shape",
+                "batch": batch,
+                "context": context,
+                "eager_us": round(eager_us, 1),
+                "graph_us": round(graph_us, 1),
+                "graph_speedup": round(eager_us / graph_us, 2),
+                "graph_tokens_per_s": round(batch * 1e6 / graph_us),
+                "pct_of_roofline": round(100 * roofline_us / graph_us, 1),
+            }
+        )
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="one shape, two decode cases")
+    parser.add_argument("--no-decode-step", action="store_true", help="skip the whole-model decode step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU with Triton; none found", file=sys.stderr)
@@ -192,6 +281,8 @@ def main() -> int:
         "attention": results,
         "small_ops": bench_small_ops(dtype, device),
     }
+    if not args.no_decode_step:
+        line["decode_step"] = bench_decode_step(dtype, device, copy_gbps)
     print(json.dumps(line))
     return 0
 

@@ -1,0 +1,47 @@
+"""The engine on a GPU with the Triton backend gives the CPU engine's greedy tokens (float32 on both)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+PROMPT_SEED = 5
+
+
+def tiny_llama(out_dir):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    return out_dir
+
+
+def prompts():
+    g = torch.Generator().manual_seed(PROMPT_SEED)
+    long = torch.randint(5, 500, (300,), generator=g).tolist()
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in (1, 20, 130)] + [
+        long,
+        [*long[:200], 7, 8, 9],
+        long[:160],
+    ]  # shared prefixes: cached-context prefill
+
+
+def test_engine_on_gpu_with_triton_matches_cpu(device, tmp_path):
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    model_dir = tiny_llama(tmp_path / "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    settings = dict(dtype="float32", max_num_batched_tokens=128, max_num_seqs=4)  # chunked prefill too
+    gpu = LLM(model_dir, device="cuda", **settings)
+    assert gpu.engine.runner.model.attention_backend.name == "triton"
+    got = [o.token_ids for o in gpu.generate(prompts(), params)]
+    cpu = LLM(model_dir, device="cpu", **settings)
+    want = [o.token_ids for o in cpu.generate(prompts(), params)]
+    assert got == want
