@@ -274,7 +274,9 @@ def main() -> int:
     if args.demo:
         from modelfleet.dataplane.demo import create_demo_model
 
-        model_dir = create_demo_model(args.demo_dir / args.demo, size=args.demo, seed=0)
+        model_dir = args.demo_dir / args.demo
+        if not (model_dir / "model.safetensors").is_file():
+            model_dir = create_demo_model(model_dir, size=args.demo, seed=0, force=True)
     vocab = args.vocab_size
     if vocab is None and model_dir is not None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
