@@ -146,6 +146,7 @@ class DataPlane:
         *,
         operation: str,
     ) -> Generation:
+        arrived = time.monotonic()
         model_name, pinned = split_model_field(request.model)
         span = self.tracer.start_span(
             f"{operation} {model_name}",
@@ -207,6 +208,7 @@ class DataPlane:
             model=model_name,
             version=version,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
+            arrived=arrived,
         )
 
     def _route(
@@ -318,6 +320,7 @@ class Generation:
         model: str,
         version: str,
         include_usage: bool,
+        arrived: float,
     ) -> None:
         self.dp = dataplane
         self.span = span
@@ -332,6 +335,7 @@ class Generation:
         self.version = version
         self.include_usage = include_usage
         self.request_id = renderer.response_id
+        self.arrived = arrived
         self._closed = False
 
     async def response(self):
@@ -359,19 +363,21 @@ class Generation:
     async def _events(self) -> AsyncIterator[ChoiceEvent]:
         """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""
         dp, labels = self.dp, (self.model, self.version)
+        itl, generated = dp.metrics.itl.labels(*labels), dp.metrics.generation_tokens.labels(*labels)
         status = "200"
         error: BaseException | None = None
-        started = time.monotonic()
+        started = self.arrived
         first_token_at: float | None = None
-        last_token_at: float | None = None
+        last_token_at: dict[int, float] = {}  # per choice: inter-token gaps never mix choices
         prefill = dp.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
         decode: Span | None = None
         try:
             stream = merged_events(self.slot.engine, self.prompts, self.params, self.n, self.request_id)
             async with contextlib.aclosing(stream):
                 async for event in stream:
-                    now = time.monotonic()
                     if event.new_token_ids:
+                        now = time.monotonic()
+                        count = len(event.new_token_ids)
                         if first_token_at is None:
                             first_token_at = now
                             dp.metrics.ttft.labels(*labels).observe(now - started)
@@ -379,13 +385,14 @@ class Generation:
                             decode = dp.tracer.start_span(
                                 "decode", context=trace.set_span_in_context(self.span)
                             )
-                        elif last_token_at is not None:
-                            gap = (now - last_token_at) / len(event.new_token_ids)
-                            for _ in event.new_token_ids:
-                                dp.metrics.itl.labels(*labels).observe(gap)
-                        last_token_at = now
-                        dp.metrics.generation_tokens.labels(*labels).inc(len(event.new_token_ids))
-                        dp.limiter.charge(self.principal, len(event.new_token_ids))
+                        previous = last_token_at.get(event.index)
+                        if previous is not None:
+                            gap = (now - previous) / count
+                            for _ in range(count):
+                                itl.observe(gap)
+                        last_token_at[event.index] = now
+                        generated.inc(count)
+                        dp.limiter.charge(self.principal, count)
                     if event.finish_reason == "error":
                         raise EngineFailure(
                             f"the engine failed this request: {event.error or 'unknown error'}"
