@@ -121,3 +121,27 @@ def test_unknown_backend_lists_available():
     assert "torch" in available_backends()
     with pytest.raises(ValueError, match=r"available: .*torch"):
         get_backend("no-such-backend")
+
+
+def test_large_mixed_batch_is_split_into_groups_and_matches():
+    rng = random.Random(7)
+    query_lens, seq_lens = [], []
+    for _ in range(24):
+        kind = rng.choice(["decode", "fresh", "chunk"])
+        seq_len = rng.randint(1, 70)
+        q_len = 1 if kind == "decode" else seq_len if kind == "fresh" else rng.randint(1, seq_len)
+        query_lens.append(q_len)
+        seq_lens.append(seq_len)
+    q, k, v, kv_cache, meta, tables = make_case(query_lens, seq_lens, 6, 2, 16, 8, torch.float32, seed=7)
+    backend = get_backend("torch")
+    backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+    out = backend.forward(q, kv_cache, meta, 0.3, key=k, value=v)
+    groups = meta.backend_cache["torch_paged"]
+    assert len(groups) > 2  # decodes, fresh prompts and chunks apart, long and short apart
+    assert sorted(torch.cat([g.token_index for g in groups]).tolist()) == list(range(sum(query_lens)))
+    torch.testing.assert_close(
+        out, naive_attention(q, kv_cache, query_lens, seq_lens, tables, 0.3), atol=2e-5, rtol=1e-5
+    )
+    # A second layer of the same step reuses the plan.
+    backend.forward(q, kv_cache, meta, 0.3, key=k, value=v)
+    assert meta.backend_cache["torch_paged"] is groups
