@@ -84,7 +84,7 @@ def _fetch(client: httpx.Client, url: str, part: Path) -> None:
             progress.task(f"download {url.rsplit('/', 1)[-1]}", total, bytes_=True) as bar,
         ):
             bar.advance(have)
-            for block in response.iter_bytes(CHUNK):
+            for block in response.iter_bytes():  # as received: a drop loses nothing already read
                 f.write(block)
                 have += len(block)
                 bar.advance(len(block))

@@ -189,14 +189,15 @@ def export_onnx(ckpt: Checkpoint, dest: Path, dtype: torch.dtype) -> None:
         torch.arange(past, past + seq).repeat(batch, 1),
         *[torch.zeros(batch, kv, past, head_dim, dtype=dtype) for _ in range(2 * layers)],
     )
-    # AUTO lets the exporter derive how the sizes relate (mask length = past + sequence).
-    auto = torch.export.Dim.AUTO
-    # The *past varargs are one argument to torch.export: their shapes go in one nested list.
+    # One named symbol per size shared by all tensors; AUTO lets the exporter derive the mask's length
+    # (past + sequence) instead of us declaring it.
+    batch_dim = torch.export.Dim("batch")
+    seq_dim, past_dim = torch.export.Dim("sequence"), torch.export.Dim("past_sequence")
     dynamic = [
-        {0: auto, 1: auto},
-        {0: auto, 1: auto},
-        {0: auto, 1: auto},
-        tuple([{0: auto, 2: auto}] * (2 * layers)),
+        {0: batch_dim, 1: seq_dim},
+        {0: batch_dim, 1: torch.export.Dim.AUTO},
+        {0: batch_dim, 1: seq_dim},
+        tuple([{0: batch_dim, 2: past_dim}] * (2 * layers)),
     ]
     inputs, outputs = io_names(layers)
     with progress.task("export onnx"), torch.no_grad():
@@ -215,9 +216,34 @@ def export_onnx(ckpt: Checkpoint, dest: Path, dtype: torch.dtype) -> None:
             program.save(str(dest / MODEL_FILE), external_data=True)
         except Exception as exc:  # the exporter raises many types; one line for the user
             raise ConversionError(f"ONNX export failed: {str(exc).splitlines()[0]}") from exc
-    # The exporter names the data file after the model; make it the fixed name the manifest lists.
     if not (dest / DATA_FILE).exists():
         raise ConversionError(f"ONNX export wrote no external data file {DATA_FILE}")
+    name_dynamic_dims(dest / MODEL_FILE)
+
+
+def name_dynamic_dims(path: Path) -> None:
+    """Rename the exporter's symbols (s10, s70, ...) to batch / sequence / past_sequence / total_sequence, so
+    the graph documents its own interface. Only model.onnx is rewritten; the weights file is untouched."""
+    import re
+
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    inputs = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
+    names = {
+        inputs["input_ids"][0]: "batch",
+        inputs["input_ids"][1]: "sequence",
+        inputs["attention_mask"][1]: "total_sequence",
+        inputs["past_key_values.0.key"][2]: "past_sequence",
+    }
+    names = {old: new for old, new in names.items() if old}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b") if names else None
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if pattern and dim.dim_param:
+                dim.dim_param = pattern.sub(lambda m: names[m.group(1)], dim.dim_param)
+    onnx.save(model, str(path))
 
 
 def quantize_onnx_int8(src: Path, dest: Path) -> None:

@@ -145,11 +145,10 @@ def _http(uri: str, expected: str | None, cache_dir: Path) -> Source:
         _get(client, base + "config.json", folder / "config.json")
         for name in OPTIONAL_FILES:
             with contextlib.suppress(NotFound):  # optional files
-                _get(client, base + name, folder / name)
+                _get(client, base + name, folder / name, required=False)
         try:
-            index = _get(
-                client, base + "model.safetensors.index.json", folder / "model.safetensors.index.json"
-            )
+            name = "model.safetensors.index.json"
+            index = _get(client, base + name, folder / name, required=False)
         except NotFound:
             _get(client, base + "model.safetensors", folder / "model.safetensors")
         else:
@@ -160,9 +159,16 @@ def _http(uri: str, expected: str | None, cache_dir: Path) -> Source:
     return Source(uri, folder, digest)
 
 
-def _get(client: httpx.Client, url: str, dest: Path, sha256: str | None = None) -> Path:
+def _get(
+    client: httpx.Client, url: str, dest: Path, sha256: str | None = None, required: bool = True
+) -> Path:
+    """Download one file; a 404 is BadInputError when the file is required, else NotFound for the caller."""
     try:
         return download(url, dest, sha256=sha256, client=client)
+    except NotFound:
+        if required:
+            raise BadInputError(f"GET {url} answered HTTP 404; check the source URI") from None
+        raise
     except httpx.HTTPError as exc:
         raise BadInputError(f"cannot fetch {url}: {exc}") from None
 

@@ -64,10 +64,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def http_server(tiny_model_dir: Path) -> Iterator[RangeServer]:
-    server = RangeServer(tiny_model_dir)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+def serve() -> Iterator:
+    """serve(root) -> a running RangeServer over `root`; all are stopped after the test."""
+    servers: list[RangeServer] = []
+
+    def start(root: Path) -> RangeServer:
+        server = RangeServer(root)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def http_server(serve, tiny_model_dir: Path) -> RangeServer:
+    return serve(tiny_model_dir)
