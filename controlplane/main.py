@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import sys
 import threading
@@ -23,6 +24,7 @@ from modelfleet.controlplane.core import db, telemetry
 from modelfleet.controlplane.core.config import Settings
 from modelfleet.controlplane.errors import ControlPlaneError
 from modelfleet.controlplane.models import utcnow
+from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
@@ -142,11 +144,23 @@ def keep_expiring_keys(app: FastAPI, stop: threading.Event) -> None:
             log.warning("expired-key sync failed, will retry: %s", _first_line(error))
 
 
-def create_app(settings: Settings | None = None, *, cluster: Cluster | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    cluster: Cluster | None = None,
+    tracer_provider: TracerProvider | None = None,
+) -> FastAPI:
+    """The app; `tracer_provider` replaces the global one (which `setup_tracing` sets from OTEL_*)."""
     settings = settings or Settings()
     engine = db.make_engine(settings)
-    telemetry.instrument_engine(engine)
-    telemetry.setup_tracing()
+    if tracer_provider is None:
+        telemetry.setup_tracing()
+    telemetry.instrument_engine(engine, tracer_provider)
+    # FastAPI traces requests itself (server, dependency and endpoint spans) where it knows how to.
+    native_tracing = "telemetry" in inspect.signature(FastAPI).parameters
+    tracing = (
+        {"telemetry": {"tracer_provider": tracer_provider}} if native_tracing and tracer_provider else {}
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -175,6 +189,7 @@ def create_app(settings: Settings | None = None, *, cluster: Cluster | None = No
         version="v1",
         description="Tenants, API keys, the model registry and traffic rollouts of a modelfleet fleet.",
         lifespan=lifespan,
+        **tracing,
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -182,7 +197,7 @@ def create_app(settings: Settings | None = None, *, cluster: Cluster | None = No
     app.state.cluster = cluster if cluster is not None else cluster_module.connect(settings)
     app.state.migrated = False
     app.state.migration_error = "migrations have not run yet"
-    app.add_middleware(telemetry.TelemetryMiddleware)
+    app.add_middleware(telemetry.MetricsMiddleware)
     add_error_handlers(app)
     app.include_router(api_router)
 

@@ -1,7 +1,9 @@
-"""Prometheus metrics and OpenTelemetry spans for HTTP requests and SQL statements.
+"""Prometheus metrics for HTTP requests and SQL statements, and OpenTelemetry spans for SQL statements.
 
-Spans go to the exporter named by the standard OTEL_* variables when one is set; otherwise the API's
-no-op tracer keeps the cost near zero.
+FastAPI traces HTTP requests itself (server spans with W3C trace-context, dependency and endpoint spans)
+once a tracer provider is set; `setup_tracing` sets one with an OTLP exporter when the standard OTEL_*
+variables name an endpoint, and the SQL spans here nest under FastAPI's. Without one, the API's no-op
+tracer keeps the cost near zero.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from prometheus_client import Counter, Histogram
 from sqlalchemy import Engine, event
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("modelfleet.controlplane")
+TRACER_NAME = "modelfleet.controlplane"
 
 HTTP_REQUESTS = Counter(
     "modelfleet_controlplane_http_requests_total", "HTTP requests answered", ["method", "route", "status"]
@@ -64,8 +66,8 @@ def setup_tracing() -> None:
         log.info("tracing to %s", wanted)
 
 
-class TelemetryMiddleware:
-    """A server span and the request metrics for every HTTP request (plain ASGI: no body buffering)."""
+class MetricsMiddleware:
+    """Request count and latency by route template (plain ASGI: no body buffering)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -74,7 +76,6 @@ class TelemetryMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        method = scope["method"]
         status = {"code": 500}
 
         async def send_and_note(message: dict) -> None:
@@ -83,20 +84,12 @@ class TelemetryMiddleware:
             await send(message)
 
         started = time.perf_counter()
-        with tracer.start_as_current_span(f"{method} {scope['path']}", kind=SpanKind.SERVER) as span:
-            try:
-                await self.app(scope, receive, send_and_note)
-            finally:
-                route = _route_template(scope)
-                span.update_name(f"{method} {route}")
-                span.set_attribute("http.request.method", method)
-                span.set_attribute("http.route", route)
-                span.set_attribute("url.path", scope["path"])
-                span.set_attribute("http.response.status_code", status["code"])
-                if status["code"] >= 500:
-                    span.set_status(Status(StatusCode.ERROR))
-                HTTP_LATENCY.labels(method, route).observe(time.perf_counter() - started)
-                HTTP_REQUESTS.labels(method, route, str(status["code"])).inc()
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = _route_template(scope)
+            HTTP_LATENCY.labels(scope["method"], route).observe(time.perf_counter() - started)
+            HTTP_REQUESTS.labels(scope["method"], route, str(status["code"])).inc()
 
 
 def _route_template(scope: dict) -> str:
@@ -115,9 +108,10 @@ def _route_template(scope: dict) -> str:
     return "/".join(segments)
 
 
-def instrument_engine(engine: Engine) -> None:
-    """A client span and a latency observation per SQL statement."""
+def instrument_engine(engine: Engine, tracer_provider: trace.TracerProvider | None = None) -> None:
+    """A client span and a latency observation per SQL statement (the global provider by default)."""
     system = engine.dialect.name
+    tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
 
     @event.listens_for(engine, "before_cursor_execute")
     def _start(conn, cursor, statement, parameters, context, executemany) -> None:

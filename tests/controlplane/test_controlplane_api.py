@@ -6,13 +6,18 @@ import base64
 import json
 from datetime import UTC, datetime, timedelta
 
-from controlplane_factories import ADMIN, PEPPER, Factory, MemoryStore, bearer, key_file
+from controlplane_factories import ADMIN, PEPPER, Factory, MemoryStore, bearer, key_file, make_settings
 from fastapi.testclient import TestClient
+from modelfleet.controlplane.cluster import NoCluster
 from modelfleet.controlplane.core.security import hash_key, serving_digest
-from modelfleet.controlplane.main import sync_expired_keys
+from modelfleet.controlplane.main import create_app, sync_expired_keys
 from modelfleet.controlplane.models import ApiKey
 from modelfleet.dataplane.server.auth import KeyStore
 from modelfleet.operator.validation import validate_inference_model, validate_model_version
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from sqlalchemy import select, update
 
 API = "/api/v1"
@@ -374,3 +379,25 @@ def test_metrics_count_requests_by_route(client: TestClient, factory: Factory):
     text = client.get("/metrics").text
     assert 'route="/api/v1/tenants/{tenant_name}/models"' in text
     assert "modelfleet_controlplane_db_query_duration_seconds_count" in text
+
+
+def test_requests_and_sql_statements_are_traced(database_url: str, tmp_path):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    app = create_app(make_settings(database_url), cluster=NoCluster(), tracer_provider=provider)
+    with TestClient(app) as client:
+        tenant, headers = Factory(client).tenant_with_key()
+        exporter.clear()
+        client.get(f"{API}/tenants/{tenant}/models", headers=headers)
+    spans = exporter.get_finished_spans()
+    (server,) = [s for s in spans if s.kind == SpanKind.SERVER]
+    assert server.name == "GET /api/v1/tenants/{tenant_name}/models"
+    queries = [s for s in spans if s.kind == SpanKind.CLIENT]
+    assert queries and all(s.attributes["db.operation.name"] == "SELECT" for s in queries)
+    by_id = {s.context.span_id: s for s in spans}
+    for query in queries:  # each SQL span sits under the request's server span
+        ancestor = query
+        while ancestor.parent is not None and ancestor.parent.span_id in by_id:
+            ancestor = by_id[ancestor.parent.span_id]
+        assert ancestor is server, query.name
