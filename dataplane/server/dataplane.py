@@ -346,9 +346,12 @@ class Generation:
         return self.renderer.response(self.slot.engine.tokenizer)
 
     async def chunks(self) -> AsyncIterator[Any]:
-        """Streaming chunks, ending with a usage chunk when the client asked for one."""
+        """Streaming chunks. Usage comes as OpenAI sends it (an extra chunk) when the client asked with
+        `stream_options.include_usage`; otherwise it rides on the chunk that finishes the last choice, so
+        every answer carries its usage."""
         tokenizer = self.slot.engine.tokenizer
         opened = False
+        num_choices, finished = len(self.prompts) * self.n, 0
         async with contextlib.aclosing(self._events()) as events:
             async for event in events:
                 if not opened:  # opening chunks wait for the first token, so a refusal is still an HTTP error
@@ -356,7 +359,12 @@ class Generation:
                     for chunk in self.renderer.opening_chunks():
                         yield chunk
                 self.renderer.add(event)
-                yield self.renderer.chunk(event, tokenizer)
+                chunk = self.renderer.chunk(event, tokenizer)
+                if event.finish_reason:
+                    finished += 1
+                    if finished == num_choices and not self.include_usage:
+                        chunk.usage = self.renderer.usage()
+                yield chunk
         if self.include_usage:
             yield self.renderer.usage_chunk()
 

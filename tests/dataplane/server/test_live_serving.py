@@ -157,6 +157,30 @@ def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(fleet):
     assert metric_value(text, "modelfleet_requests_total", model="tiny", version="v1", status="499") >= 1
 
 
+def test_disconnect_while_waiting_for_a_plain_answer_aborts_it(fleet):
+    engine = fleet.engine("tiny", "v2")
+    start = engine.stats()
+    before = scrape(fleet)
+    gone_before = metric_value(before, "modelfleet_requests_total", model="tiny", version="v2", status="499")
+    tokens_before = metric_value(before, "modelfleet_generation_tokens_total", model="tiny", version="v2")
+    body = {"model": "tiny@v2", "prompt": "go on", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while engine.stats().num_free_blocks != start.num_free_blocks or engine.stats().num_running:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.02)
+    text = scrape(fleet)
+    assert (
+        metric_value(text, "modelfleet_requests_total", model="tiny", version="v2", status="499")
+        > gone_before
+    )
+    tokens = (
+        metric_value(text, "modelfleet_generation_tokens_total", model="tiny", version="v2") - tokens_before
+    )
+    assert tokens < 480  # aborted, not run to the end
+
+
 def test_span_tree_continues_the_client_trace(fleet):
     fleet.exporter.clear()
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
