@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-from modelfleet.dataplane.attention.backend import available_backends
+from modelfleet.dataplane.kernels.availability import triton_usable
 
 PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "mps", "cpu")
 # Env override of the CPU serving dtype: "float32" or "bfloat16" (see default_dtype for the measurement).
@@ -101,9 +101,10 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def attention_backend_name(device: torch.device | str) -> str:
-    """The fastest registered attention backend for this device ("triton" on CUDA/ROCm once it exists)."""
-    platform = platform_of(device)
-    if platform in ("cuda", "rocm") and "triton" in available_backends():
+    """The attention backend for a device: the Triton kernels on CUDA/ROCm where Triton runs, else torch."""
+    if platform_of(device) in ("cuda", "rocm") and triton_usable():
+        import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
+
         return "triton"
     return "torch"
 

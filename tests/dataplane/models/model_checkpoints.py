@@ -42,6 +42,12 @@ ARCHITECTURES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=None)),
     "mistral_window": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=7)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    # sliding window on the upper layer only (HF: layers from max_window_layers on)
+    "qwen2_window": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
 }
 

@@ -56,9 +56,15 @@ def test_rocm_is_told_apart_from_cuda(monkeypatch):
     assert dev.platform_of("cuda") == "cuda"
 
 
-def test_triton_backend_is_picked_once_registered(monkeypatch):
-    monkeypatch.setattr(dev, "available_backends", lambda: ("torch", "triton"))
+def test_triton_backend_is_picked_where_triton_runs(monkeypatch):
+    from modelfleet.dataplane.attention import available_backends, get_backend
+
+    monkeypatch.setattr(dev, "triton_usable", lambda: False)
+    assert dev.attention_backend_name("cuda") == "torch"
+    monkeypatch.setattr(dev, "triton_usable", lambda: True)
     assert dev.attention_backend_name("cuda") == "triton"
+    assert "triton" in available_backends()
+    assert get_backend("triton").name == "triton"
     assert dev.attention_backend_name("cpu") == "torch"
 
 
