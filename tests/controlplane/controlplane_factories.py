@@ -74,9 +74,8 @@ class MemoryStore:
 
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
-    return Settings(
-        database_url=database_url, admin_key=ADMIN_KEY, key_pepper=PEPPER, cluster="none", **overrides
-    )
+    fields = {"admin_key": ADMIN_KEY, "key_pepper": PEPPER, "cluster": "none", **overrides}
+    return Settings(database_url=database_url, **fields)
 
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import logging
 import uuid
+from types import SimpleNamespace
 
 import pytest
+import urllib3
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from controlplane_factories import MemoryStore, make_settings
 from fastapi.testclient import TestClient
+from kubernetes.client.exceptions import ApiException
 from modelfleet.controlplane import resources
-from modelfleet.controlplane.cluster import KubernetesCluster, NoCluster
+from modelfleet.controlplane.cluster import DynamicStore, KubernetesCluster, NoCluster
 from modelfleet.controlplane.core import db, security
 from modelfleet.controlplane.core.config import DEV_ADMIN_KEY, Settings
+from modelfleet.controlplane.errors import ClusterConflict, ClusterUnavailable
 from modelfleet.controlplane.main import add_parser, create_app
 from modelfleet.controlplane.models import Base, Model, ModelVersion, Tenant
+from modelfleet.controlplane.resources import FIELD_MANAGER
 from modelfleet.operator.validation import validate_inference_model, validate_model_version
 from pydantic import ValidationError
 from sqlalchemy import inspect
@@ -194,3 +199,67 @@ def test_command_migrates_a_sqlite_file(tmp_path, monkeypatch, capsys):
     assert run_command("--migrate-only", "--log-level", "warning") == 0
     assert "schema at head" in capsys.readouterr().err
     assert (tmp_path / "cli.db").stat().st_size > 0
+
+
+class FakeResource:
+    def __init__(self, kind: str, fail: ApiException | None = None) -> None:
+        self.kind, self.fail, self.calls = kind, fail, []
+
+    def get(self, **kwargs):
+        self.calls.append(("get", kwargs))
+        if self.fail:
+            raise self.fail
+        return SimpleNamespace(to_dict=lambda: {"kind": self.kind, **kwargs})
+
+    def delete(self, **kwargs):
+        self.calls.append(("delete", kwargs))
+        if self.fail:
+            raise self.fail
+
+
+class FakeDynamicClient:
+    """Just enough of kubernetes.dynamic.DynamicClient to see what DynamicStore asks of it."""
+
+    def __init__(self, fail: ApiException | None = None) -> None:
+        self.resource = FakeResource("Secret", fail)
+        self.applied: list[dict] = []
+        self.resources = SimpleNamespace(get=lambda api_version, kind: self.resource)
+
+    def server_side_apply(self, resource, body, namespace, field_manager, force_conflicts):
+        if resource.fail:
+            raise resource.fail
+        self.applied.append(
+            {"body": body, "namespace": namespace, "manager": field_manager, "force": force_conflicts}
+        )
+
+
+def _store(fail: ApiException | None = None) -> DynamicStore:
+    store = DynamicStore.__new__(DynamicStore)
+    store.client = FakeDynamicClient(fail)
+    return store
+
+
+def test_dynamic_store_applies_server_side_with_our_field_manager():
+    store = _store()
+    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": "ns"}}
+    store.apply(body)
+    assert store.client.applied == [
+        {"body": body, "namespace": "ns", "manager": FIELD_MANAGER, "force": True}
+    ]
+    assert store.get("v1", "Secret", "s", "ns") == {"kind": "Secret", "name": "s", "namespace": "ns"}
+
+
+def test_dynamic_store_maps_api_errors():
+    assert _store(ApiException(status=404, reason="Not Found")).get("v1", "Secret", "s", "ns") is None
+    _store(ApiException(status=404, reason="Not Found")).delete(
+        "v1", "Secret", "s", "ns"
+    )  # already gone: fine
+    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": "ns"}}
+    with pytest.raises(ClusterConflict):
+        _store(ApiException(status=409, reason="Conflict")).apply(body)
+    with pytest.raises(ClusterUnavailable, match="403 Forbidden"):
+        _store(ApiException(status=403, reason="Forbidden")).apply(body)
+    with pytest.raises(ClusterUnavailable, match="unreachable"):
+        _store(urllib3.exceptions.MaxRetryError(None, "/api", "connection refused")).get(
+            "v1", "Secret", "s", "ns"
+        )
