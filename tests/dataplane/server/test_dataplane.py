@@ -120,3 +120,26 @@ async def test_failure_mid_stream_is_reported_in_the_stream(dataplane):
     error = json.loads(events[-2])["error"]
     assert error["code"] == "engine_error" and "NaN logits" in error["message"]
     assert len(events) == 4  # two token chunks, the error, [DONE]
+
+
+@pytest.mark.parametrize(
+    ("settings", "request_args", "prompt_len", "message"),
+    [
+        ({"max_prompt_tokens": 8}, {}, 9, "prompt: has 9 tokens, over the limit of 8 (max_prompt_tokens)"),
+        ({}, {}, 64, "over the limit of 63 (the model's max_model_len - 1)"),
+        ({"max_tokens_limit": 10}, {"max_tokens": 11}, 4, "max_tokens: 11 is over the server's limit of 10"),
+        ({}, {"max_tokens": 61}, 4, "plus max_tokens (61) exceeds the model's context of 64 tokens"),
+        ({"max_n": 2}, {"n": 3}, 4, "n: 3 is over the server's limit of 2"),
+        ({"max_logprobs": 5}, {"logprobs": 6}, 4, "logprobs: 6 is over the server's limit of 5"),
+        ({}, {"top_k": -5}, 4, "top_k: -5 must be -1 or 0"),
+    ],
+)
+def test_request_limits_name_the_limit(settings, request_args, prompt_len, message):
+    from modelfleet.dataplane.server.checks import check_request
+    from modelfleet.dataplane.server.errors import BadRequest
+
+    request = CompletionRequest(model="m", prompt="x", **request_args)
+    with pytest.raises(BadRequest) as info:
+        check_request(ServerSettings(**settings), request, [[1] * prompt_len], 64)
+    assert message in info.value.message
+    assert info.value.status == 400

@@ -1,0 +1,174 @@
+"""One admitted request producing its answer: as a whole or as stream chunks, with its metrics, spans,
+token charges, and the release of everything it holds however it ends (finished, failed, client gone)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from modelfleet.dataplane.server import tracing as tr
+from modelfleet.dataplane.server.auth import Principal
+from modelfleet.dataplane.server.engine_io import ChoiceEvent, merged_events
+from modelfleet.dataplane.server.errors import EngineFailure, ServerError
+from modelfleet.dataplane.server.model_manager import VersionSlot
+from modelfleet.dataplane.server.render import Renderer
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.server.dataplane import DataPlane
+
+CLIENT_GONE = "499"  # the client closed the connection before the answer ended
+
+
+class Generation:
+    """A routed, admitted request: produce its answer once, as a whole or as chunks."""
+
+    def __init__(
+        self,
+        *,
+        dataplane: DataPlane,
+        span: Span,
+        stack: contextlib.AsyncExitStack,
+        slot: VersionSlot,
+        renderer: Renderer,
+        prompts: list[list[int]],
+        params,
+        n: int,
+        principal: Principal,
+        model: str,
+        version: str,
+        include_usage: bool,
+        arrived: float,
+    ) -> None:
+        self.dp = dataplane
+        self.span = span
+        self.stack = stack
+        self.slot = slot
+        self.renderer = renderer
+        self.prompts = prompts
+        self.params = params
+        self.n = n
+        self.principal = principal
+        self.model = model
+        self.version = version
+        self.include_usage = include_usage
+        self.request_id = renderer.response_id
+        self.arrived = arrived
+        self._closed = False
+
+    async def response(self):
+        """The whole answer (non-streaming)."""
+        async with contextlib.aclosing(self._events()) as events:
+            async for event in events:
+                self.renderer.add(event)
+        return self.renderer.response(self.slot.engine.tokenizer)
+
+    async def chunks(self) -> AsyncIterator[Any]:
+        """Streaming chunks. Usage comes as OpenAI sends it (an extra chunk) when the client asked with
+        `stream_options.include_usage`; otherwise it rides on the chunk that finishes the last choice, so
+        every answer carries its usage."""
+        tokenizer = self.slot.engine.tokenizer
+        opened = False
+        num_choices, finished = len(self.prompts) * self.n, 0
+        async with contextlib.aclosing(self._events()) as events:
+            async for event in events:
+                if not opened:  # opening chunks wait for the first token, so a refusal is still an HTTP error
+                    opened = True
+                    for chunk in self.renderer.opening_chunks():
+                        yield chunk
+                self.renderer.add(event)
+                chunk = self.renderer.chunk(event, tokenizer)
+                if event.finish_reason:
+                    finished += 1
+                    if finished == num_choices and not self.include_usage:
+                        chunk.usage = self.renderer.usage()
+                yield chunk
+        if self.include_usage:
+            yield self.renderer.usage_chunk()
+
+    async def _events(self) -> AsyncIterator[ChoiceEvent]:
+        """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""
+        dp, labels = self.dp, (self.model, self.version)
+        itl, generated = dp.metrics.itl.labels(*labels), dp.metrics.generation_tokens.labels(*labels)
+        status = "200"
+        error: BaseException | None = None
+        started = self.arrived
+        first_token_at: float | None = None
+        last_token_at: dict[int, float] = {}  # per choice: inter-token gaps never mix choices
+        prefill = dp.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
+        decode: Span | None = None
+        try:
+            stream = merged_events(self.slot.engine, self.prompts, self.params, self.n, self.request_id)
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    if event.new_token_ids:
+                        now = time.monotonic()
+                        count = len(event.new_token_ids)
+                        if first_token_at is None:
+                            first_token_at = now
+                            dp.metrics.ttft.labels(*labels).observe(now - started)
+                            prefill.end()
+                            decode = dp.tracer.start_span(
+                                "decode", context=trace.set_span_in_context(self.span)
+                            )
+                        previous = last_token_at.get(event.index)
+                        if previous is not None:
+                            gap = (now - previous) / count
+                            for _ in range(count):
+                                itl.observe(gap)
+                        last_token_at[event.index] = now
+                        generated.inc(count)
+                        dp.limiter.charge(self.principal, count)
+                    if event.finish_reason == "error":
+                        raise EngineFailure(
+                            f"the engine failed this request: {event.error or 'unknown error'}"
+                        )
+                    yield event
+        except GeneratorExit:
+            status = CLIENT_GONE
+            raise
+        except asyncio.CancelledError:
+            status = CLIENT_GONE
+            raise
+        except ServerError as exc:
+            status, error = str(exc.status), exc
+            raise
+        except Exception as exc:
+            status, error = "500", exc
+            raise EngineFailure(f"the engine failed this request: {exc}") from exc
+        finally:
+            end = time.monotonic()
+            if first_token_at is None:
+                prefill.end()
+            if decode is not None:
+                decode.end()
+            num_prompt = sum(len(p) for p in self.prompts) * self.n
+            num_output = self.renderer.completion_tokens
+            dp.metrics.prompt_tokens.labels(*labels).inc(num_prompt)
+            dp.metrics.e2e.labels(*labels).observe(end - started)
+            dp.metrics.requests.labels(*labels, status).inc()
+            self.span.set_attribute(tr.INPUT_TOKENS, num_prompt)
+            self.span.set_attribute(tr.OUTPUT_TOKENS, num_output)
+            self.span.set_attribute(tr.RESPONSE_ID, self.request_id)
+            self.span.set_attribute(tr.FINISH_REASONS, self.renderer.finish_reasons())
+            if status == CLIENT_GONE:
+                self.span.set_attribute("modelfleet.client_disconnected", True)
+            end_span(self.span, error)
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Release the lease, admission place and key slot (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            await self.stack.aclose()
+
+
+def end_span(span: Span, exc: BaseException | None) -> None:
+    if exc is not None and not isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        span.set_status(Status(StatusCode.ERROR, str(exc)))
+        span.set_attribute("error.type", getattr(exc, "code", None) or type(exc).__name__)
+    span.end()
