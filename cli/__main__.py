@@ -1,2 +1,3 @@
 from modelfleet.cli.commands import main
+
 raise SystemExit(main())

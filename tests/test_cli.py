@@ -4,7 +4,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from modelfleet.cli.commands import SUBCOMMANDS, build_parser
 
 MODELFLEET = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "modelfleet"
