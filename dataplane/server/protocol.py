@@ -53,6 +53,13 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
 
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported; send echo=false and prepend the prompt yourself")
+        return value
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")

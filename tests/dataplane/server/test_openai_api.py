@@ -112,6 +112,9 @@ def test_errors_use_openai_error_body(client, fleet):
         client.completions.create(model="tiny", prompt="x", max_tokens=600)
     assert "exceeds the model's context of 512 tokens" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", echo=True)
+    assert info.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=[], max_tokens=1)
     assert info.value.body["param"] == "messages"
 
