@@ -3,11 +3,14 @@
 Decode-only steps (every sequence computes one token) take the split-KV decode kernel; any step with a
 longer query (prefill, chunked prefill, prefix-cached prompts, mixed batches) takes the extend kernel.
 Neither reads data on the host, so a decode step can be captured in a CUDA graph. Importing this module
-needs neither Triton nor a GPU: the kernels load on first use. Where Triton can run, importing it also
-makes the Triton RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those model ops.
+needs neither Triton nor a GPU: the kernels load on first use, and the backend is registered (as
+"triton") only where Triton is installed. Where Triton can run, importing it also makes the Triton
+RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those model ops.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from modelfleet.dataplane.attention.backend import AttentionBackend, register_backend
@@ -17,8 +20,9 @@ from modelfleet.dataplane.kernels.registry import register_triton_ops
 register_triton_ops()
 
 
-@register_backend("triton")
 class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
@@ -63,3 +67,7 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             sliding_window=sliding_window,
         )
+
+
+if importlib.util.find_spec("triton") is not None:
+    register_backend("triton")(TritonPagedAttention)
