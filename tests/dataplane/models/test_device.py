@@ -57,17 +57,31 @@ def test_rocm_is_told_apart_from_cuda(monkeypatch):
 
 
 def test_triton_backend_is_picked_where_triton_runs(monkeypatch):
-    from modelfleet.dataplane.attention import available_backends, get_backend
-
     monkeypatch.setattr(dev, "triton_usable", lambda: False)
     assert dev.attention_backend_name("cuda") == "torch"
     monkeypatch.setattr(dev, "triton_usable", lambda: True)
     assert dev.attention_backend_name("cuda") == "triton"
-    assert "triton" in available_backends()
-    assert get_backend("triton").name == "triton"
     assert dev.attention_backend_name("cpu") == "torch"
 
 
 def test_cpu_memory_info():
     info = dev.memory_info("cpu")
     assert 0 < info.free_bytes <= info.total_bytes
+
+
+def test_cpu_threads_leave_busy_cores_out(monkeypatch):
+    monkeypatch.delenv(dev.CPU_THREADS_ENV, raising=False)
+    monkeypatch.setattr(dev, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(dev.os, "getloadavg", lambda: (2.4, 0.0, 0.0))
+    assert dev.cpu_threads() == 6
+    monkeypatch.setattr(dev.os, "getloadavg", lambda: (30.0, 0.0, 0.0))
+    assert dev.cpu_threads() == 1
+    monkeypatch.setenv(dev.CPU_THREADS_ENV, "3")
+    assert dev.cpu_threads() == 3
+    monkeypatch.setenv(dev.CPU_THREADS_ENV, "zero")
+    with pytest.raises(ValueError, match=dev.CPU_THREADS_ENV):
+        dev.cpu_threads()
+
+
+def test_usable_cpus_is_positive_and_bounded():
+    assert 1 <= dev.usable_cpus() <= (dev.os.cpu_count() or 1)
