@@ -162,6 +162,12 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Swap the attention implementation of every layer (e.g. for a graph-captured decode path)."""
+        self.attention_backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
     def after_load(self, device: torch.device) -> None:
         """Recompute the tensors that are derived rather than loaded, on the target device."""
         self.rotary.to_device(device)

@@ -163,3 +163,28 @@ def test_user_op_is_used_inside_the_model(tmp_path):
 def test_unknown_op_names_known_ones():
     with pytest.raises(KeyError, match="rms_norm"):
         get_op("no_such_op", "cpu")
+
+
+def test_attention_backend_can_be_swapped(tmp_path):
+    from model_checkpoints import make_checkpoint
+    from modelfleet.dataplane.attention import AttentionMetadata, get_backend
+    from modelfleet.dataplane.attention.torch_paged import TorchPagedAttention
+    from modelfleet.dataplane.models import load_model
+
+    class CountingBackend(TorchPagedAttention):
+        calls = 0
+
+        def forward(self, query, kv_cache, attn_metadata, scale, **kwargs):
+            CountingBackend.calls += 1
+            return super().forward(query, kv_cache, attn_metadata, scale, **kwargs)
+
+    model_dir, _ = make_checkpoint("llama2", tmp_path)
+    model = load_model(model_dir, device="cpu", dtype=torch.float32, attention_backend="torch")
+    assert model.attention_backend.name == get_backend("torch").name
+    model.set_attention_backend(CountingBackend())
+    cfg = model.config
+    kv = [torch.zeros(2, 2, 4, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata.build(query_lens=[2], seq_lens=[2], block_tables=[[0]], block_size=4)
+    with torch.inference_mode():
+        model(torch.tensor([1, 2]), torch.arange(2), kv, meta)
+    assert CountingBackend.calls == cfg.num_layers
