@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm.exc import StaleDataError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("modelfleet.controlplane")
@@ -46,13 +47,41 @@ def _field(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in parts) or "body"
 
 
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def record_refusal(request: Request, status: int, message: str) -> None:
+    """Audit a mutating call that an authenticated caller made and that was refused.
+
+    Such events are the admin's (tenant None): they name what was tried, which may be another tenant's.
+    Recording must never turn the refusal into a different error, so failures here are only logged.
+    """
+    principal = getattr(request.state, "principal", None)
+    if request.method not in MUTATING or principal is None:
+        return
+    try:
+        with request.app.state.sessionmaker() as session, session.begin():
+            detail = {"status": status, "message": message, "caller_tenant": principal.tenant}
+            target = f"{request.method} {request.url.path}"
+            crud.record_audit(
+                session, actor=principal.actor, tenant=None, action="refused", target=target, detail=detail
+            )
+    except sa_exc.SQLAlchemyError as error:
+        log.warning("could not audit a refused call: %s", _first_line(error))
+
+
+async def refusal(request: Request, status: int, message: str, error_type: str, param: str | None = None):
+    await run_in_threadpool(record_refusal, request, status, message)
+    return error_body(status, message, error_type, param)
+
+
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ControlPlaneError)
     async def _domain(request: Request, error: ControlPlaneError) -> JSONResponse:
         message = error.message
         if error.status_code == 422 and error.param:  # like request validation: the field comes first
             message = f"{error.param}: {message}"
-        return error_body(error.status_code, message, error.error_type, error.param)
+        return await refusal(request, error.status_code, message, error.error_type, error.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -60,12 +89,12 @@ def add_error_handlers(app: FastAPI) -> None:
         field = _field(tuple(errors[0]["loc"]))
         message = errors[0]["msg"].removeprefix("Value error, ")
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        return error_body(422, f"{field}: {message}{more}", "invalid_request_error", field)
+        return await refusal(request, 422, f"{field}: {message}{more}", "invalid_request_error", field)
 
     @app.exception_handler(StaleDataError)
     async def _stale(request: Request, error: StaleDataError) -> JSONResponse:
         message = "changed by another request at the same time; read it again and retry"
-        return error_body(409, message, "conflict_error")
+        return await refusal(request, 409, message, "conflict_error")
 
     @app.exception_handler(DatabaseNotReady)
     async def _not_ready(request: Request, error: DatabaseNotReady) -> JSONResponse:
@@ -75,9 +104,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(sa_exc.SQLAlchemyError)
     async def _database(request: Request, error: sa_exc.SQLAlchemyError) -> JSONResponse:
         if isinstance(error, sa_exc.IntegrityError):
-            return error_body(
-                409, "conflicts with an existing record; read it again and retry", "conflict_error"
-            )
+            message = "conflicts with an existing record; read it again and retry"
+            return await refusal(request, 409, message, "conflict_error")
         if db.is_unavailable(error):
             telemetry.DB_UNAVAILABLE.inc()
             log.warning("database unavailable: %s", _first_line(error))

@@ -53,9 +53,18 @@ ClusterDep = Annotated[Cluster, Depends(get_cluster)]
 
 
 def get_principal(
+    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> Principal:
+    principal = _authenticate(session, settings, credentials)
+    request.state.principal = principal  # for the audit of refused calls (main.py)
+    return principal
+
+
+def _authenticate(
+    session: Session, settings: Settings, credentials: HTTPAuthorizationCredentials | None
 ) -> Principal:
     if credentials is None:
         raise NotAuthenticated("missing API key; send the header 'Authorization: Bearer <key>'")

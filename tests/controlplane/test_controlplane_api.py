@@ -322,6 +322,13 @@ def test_every_mutating_call_is_audited(client: TestClient, factory: Factory):
         f"{API}/audit", params={"tenant": tenant, "action": "model.traffic"}, headers=ADMIN
     )
     assert admin_view.json()["count"] == 1
+    # The refused delete is audited for the admin only (tenant None), naming the caller and the attempt.
+    refused = client.get(f"{API}/audit", params={"action": "refused"}, headers=ADMIN).json()["data"]
+    mine = [e for e in refused if e["detail"]["caller_tenant"] == tenant]
+    assert [(e["target"], e["detail"]["status"]) for e in mine] == [
+        (f"DELETE {API}/tenants/{tenant}/models/{model}/versions/v2", 409)
+    ]
+    assert mine[0]["tenant"] is None and mine[0]["actor"] == events[0]["actor"]
 
 
 def test_reads_merge_live_status_and_keep_artifacts(client: TestClient, factory: Factory, store: MemoryStore):
