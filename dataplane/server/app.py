@@ -84,6 +84,8 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
     headers = {VERSION_HEADER: generation.version}
     if not stream:
         answer = await _until_disconnect(request, generation.response())
+        if answer is None:  # nobody is listening any more; the request was aborted
+            return Response(status_code=499)
         return JSONResponse(answer.model_dump(mode="json"), headers=headers)
     chunks = generation.chunks()
     try:
@@ -109,7 +111,8 @@ async def _sse(first: Any, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
 
 
 async def _until_disconnect(request: Request, work):
-    """Run a non-streaming answer, cancelling it (and so aborting the engine request) if the client leaves."""
+    """Run a non-streaming answer; if the client leaves first, cancel it (aborting the engine request) and
+    return None."""
     task = asyncio.ensure_future(work)
 
     async def client_gone() -> None:
@@ -125,7 +128,14 @@ async def _until_disconnect(request: Request, work):
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return await task
+    if task.cancelled():
+        return None
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if task.cancelled():  # cancelled here because the client left, not from outside
+            return None
+        raise
 
 
 async def _serve_socket(dataplane: DataPlane, socket: WebSocket) -> None:
