@@ -131,9 +131,10 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
-            # Qwen2 always has q/k/v bias; Llama's attention_bias covers q/k/v and o.
-            qkv_bias=is_qwen2 or attention_bias,
-            o_proj_bias=attention_bias and architecture == "LlamaForCausalLM",
+            # Qwen2 always has q/k/v bias; Llama's and Qwen3's attention_bias cover q/k/v and o;
+            # Mistral has none.
+            qkv_bias=is_qwen2 or (attention_bias and architecture != "MistralForCausalLM"),
+            o_proj_bias=attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
             mlp_bias=bool(raw.get("mlp_bias", False)) and architecture == "LlamaForCausalLM",
             qk_norm=architecture == "Qwen3ForCausalLM",
             sliding_windows=_sliding_windows(raw, architecture, num_layers, max_pos),

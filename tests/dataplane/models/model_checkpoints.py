@@ -24,6 +24,11 @@ COMMON: dict[str, Any] = dict(
 # name -> (config class, model class, extra config)
 ARCHITECTURES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "llama2": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "llama_bias": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(attention_bias=True, mlp_bias=True),
+    ),
     "llama3": (
         transformers.LlamaConfig,
         transformers.LlamaForCausalLM,
@@ -49,6 +54,11 @@ ARCHITECTURES: dict[str, tuple[type, type, dict[str, Any]]] = {
         dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
     ),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32)),
+    "qwen3_bias": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(head_dim=16, attention_bias=True, tie_word_embeddings=True),
+    ),
 }
 
 
