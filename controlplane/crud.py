@@ -308,6 +308,19 @@ def create_version(
         raise Conflict(
             f"version {version_in.version!r} of model {model.name!r} already exists", param="version"
         )
+    # The ModelVersion CR is `<model>-<version>`: model "a" version "b-c" and model "a-b" version "c" clash.
+    object_name = f"{model.name}-{version_in.version}"
+    clash = session.scalar(
+        select(Model.name)
+        .join(ModelVersion, ModelVersion.model_id == Model.id)
+        .where(Model.tenant_id == tenant.id, Model.name + "-" + ModelVersion.name == object_name)
+    )
+    if clash is not None:
+        raise Conflict(
+            f"version {version_in.version!r} would share the object name {object_name!r} with a version of "
+            f"model {clash!r}; choose another version name",
+            param="version",
+        )
     parent = None
     if version_in.parent is not None:
         parent = get_version(session, model=model, name=version_in.parent)

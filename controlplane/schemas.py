@@ -266,6 +266,19 @@ class AuditEventPublic(Public):
     detail: dict[str, Any]
 
 
+class ErrorDetail(BaseModel):
+    message: str = Field(description="what is wrong and what to do, one line")
+    type: str
+    param: str | None = Field(default=None, description="the field or path parameter at fault")
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """Every error, in the OpenAI error format."""
+
+    error: ErrorDetail
+
+
 class Principal(BaseModel):
     """Who is calling: the admin, or a tenant through one of its keys."""
 

@@ -23,11 +23,22 @@ from sqlalchemy import select, update
 API = "/api/v1"
 
 
-def test_openapi_lists_the_resources(client: TestClient):
+def test_openapi_lists_the_resources_and_their_errors(client: TestClient):
     paths = client.get("/openapi.json").json()["paths"]
-    assert f"{API}/tenants/{{tenant_name}}/models/{{model_name}}/traffic" in paths
+    traffic = paths[f"{API}/tenants/{{tenant_name}}/models/{{model_name}}/traffic"]["post"]
+    assert {"200", "401", "404", "409", "422"} <= set(traffic["responses"])
     assert f"{API}/tenants/{{tenant_name}}/models/{{model_name}}/versions/{{version_name}}" in paths
     assert client.get("/ready").json() == {"status": "ready"}
+
+
+def test_version_object_names_cannot_clash_across_models(client: TestClient, factory: Factory):
+    tenant, headers = factory.tenant_with_key()
+    factory.model(tenant, headers, name="a")
+    factory.model(tenant, headers, name="a-b")
+    factory.version(tenant, "a", "b-c", headers)
+    body = {"version": "c", "source": {"uri": "s3://w/c"}}
+    clash = client.post(f"{API}/tenants/{tenant}/models/a-b/versions", json=body, headers=headers)
+    assert clash.status_code == 409 and "'a-b-c'" in clash.json()["error"]["message"]
 
 
 def test_tenant_lifecycle_writes_namespace_quota_and_key_secret(client: TestClient, factory: Factory, store):
