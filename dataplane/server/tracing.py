@@ -36,7 +36,11 @@ ROUTE_REASON = "modelfleet.route.reason"
 
 
 def tracer_from_env(service_name: str = "modelfleet-server") -> Tracer:
-    """A tracer exporting where the OTEL_* variables say; with none set, spans are made but not sent.
+    return provider_from_env(service_name).get_tracer(TRACER_NAME)
+
+
+def provider_from_env(service_name: str = "modelfleet-server") -> TracerProvider:
+    """A tracer provider exporting where the OTEL_* variables say; with none set, spans are not sent.
 
     OTEL_TRACES_EXPORTER=otlp (or any OTEL_EXPORTER_OTLP_*ENDPOINT) -> OTLP over HTTP, which reads its
     own OTEL_EXPORTER_OTLP_* settings; `console` -> stdout; `none` -> nothing.
@@ -53,7 +57,7 @@ def tracer_from_env(service_name: str = "modelfleet-server") -> Tracer:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    return provider.get_tracer(TRACER_NAME)
+    return provider
 
 
 def tracer_from_provider(provider: trace.TracerProvider) -> Tracer:
