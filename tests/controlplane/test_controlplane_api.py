@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 from controlplane_factories import ADMIN, PEPPER, Factory, MemoryStore, bearer, key_file, make_settings
 from fastapi.testclient import TestClient
+from modelfleet.controlplane.background import sync_expired_keys
 from modelfleet.controlplane.cluster import NoCluster
 from modelfleet.controlplane.core.security import hash_key, serving_digest
-from modelfleet.controlplane.main import create_app, sync_expired_keys
+from modelfleet.controlplane.main import create_app
 from modelfleet.controlplane.models import ApiKey
 from modelfleet.dataplane.server.auth import KeyStore
 from modelfleet.operator.validation import validate_inference_model, validate_model_version
