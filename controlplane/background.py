@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from datetime import datetime
+from datetime import UTC, datetime
 
 from fastapi import FastAPI
 from modelfleet.controlplane import crud
@@ -54,7 +54,9 @@ def sync_expired_keys(app: FastAPI, *, since: datetime, until: datetime) -> int:
 
 
 def keep_expiring_keys(app: FastAPI, stop: threading.Event) -> None:
-    since = utcnow()
+    since = datetime(
+        1970, 1, 1, tzinfo=UTC
+    )  # the first pass also catches keys that expired while we were down
     while not stop.wait(app.state.settings.key_sync_interval_s):
         until = utcnow()
         try:

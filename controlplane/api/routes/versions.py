@@ -24,6 +24,8 @@ from modelfleet.controlplane.schemas import (
     VersionCreate,
     VersionPublic,
 )
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 router = APIRouter(prefix="/tenants/{tenant_name}/models/{model_name}/versions", tags=["versions"])
 
@@ -45,11 +47,14 @@ def present_version(model: Model, version: ModelVersion, live_status: dict[str, 
     )
 
 
-def merge_live(session: SessionDep, version: ModelVersion, live_status: dict[str, Any] | None) -> None:
+def merge_live(session: Session, version: ModelVersion, live_status: dict[str, Any] | None) -> None:
     """Keep the artifacts the operator reported; the registry remembers them after the CR is gone."""
     reported = (live_status or {}).get("artifacts")
-    if reported and crud.upsert_artifacts(session, version=version, reported=reported):
-        session.commit()
+    try:
+        if reported and crud.upsert_artifacts(session, version=version, reported=reported):
+            session.commit()
+    except IntegrityError:
+        session.rollback()  # a concurrent read stored the same artifact first; theirs will do
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
