@@ -7,6 +7,14 @@ registered later (a Triton kernel on "cuda", a user's own on "cpu") is used from
     def my_rms_norm(x, weight, eps): ...
 
 Lookup order: (name, device_type), then (name, "*") — the torch reference, registered by layers/.
+
+The ops the models use, and the signatures an implementation must have (T tokens, H heads, D head dim):
+    rms_norm(x [T, N], weight [N], eps) -> [T, N]
+    fused_add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+    rotary_embedding(q [T, Hq, D], k [T, Hkv, D], cos [T, D/2], sin [T, D/2]) -> (q, k)  (halves rotate)
+    silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]
+    linear(x [T, in], weight [out, in], bias [out] | None) -> [T, out]
+Attention has its own interface and registry (modelfleet.dataplane.attention).
 """
 
 from __future__ import annotations
