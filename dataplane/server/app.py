@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.auth import Principal
-from modelfleet.dataplane.server.dataplane import DataPlane, Generation, RequestContext
+from modelfleet.dataplane.server.dataplane import UNKNOWN_MODEL, DataPlane, Generation, RequestContext
 from modelfleet.dataplane.server.errors import BadRequest, ServerError, error_body, validation_message
 from modelfleet.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest
 from opentelemetry import trace
@@ -231,12 +231,19 @@ class HttpSpanMiddleware:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    def count(request: Request, status: int) -> None:
+        # Refusals before the facade saw the request (bad JSON, no key): no model is known yet.
+        request.app.state.dataplane.metrics.requests.labels(UNKNOWN_MODEL, "", str(status)).inc()
+
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
+        if not getattr(exc, "counted", False):
+            count(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count(request, 400)
         message, param = validation_message(list(exc.errors()))
         body = error_body(message, type_="invalid_request_error", param=param, code="invalid_request")
         return JSONResponse(body, status_code=400)

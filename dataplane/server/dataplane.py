@@ -42,6 +42,8 @@ from opentelemetry.trace import Tracer
 
 log = logging.getLogger("modelfleet.server")
 
+UNKNOWN_MODEL = "_unknown"  # metric label for requests refused before a served model was known
+
 
 @dataclass
 class RequestContext:
@@ -174,8 +176,9 @@ class DataPlane:
             else:
                 status = CLIENT_GONE if isinstance(exc, asyncio.CancelledError) else 500
             # Unknown names stay out of the labels: clients must not be able to grow the metric series.
-            label = model_name if model_name in self.tables else "_unknown"
+            label = model_name if model_name in self.tables else UNKNOWN_MODEL
             self.metrics.requests.labels(label, version, str(status)).inc()
+            exc.counted = True  # type: ignore[union-attr]
             if isinstance(exc, ServerError) and exc.code in (
                 "rate_limit_exceeded",
                 "concurrency_limit_exceeded",

@@ -59,6 +59,8 @@ def test_keys_are_required(guarded):
     assert missing.headers["www-authenticate"] == "Bearer"
     assert client(guarded, "sk-free").completions.create(model="tiny", prompt="x", max_tokens=1).choices
     assert httpx.get(f"{guarded.url}/health").status_code == 200  # probes need no key
+    metrics = httpx.get(f"{guarded.url}/metrics").text
+    assert 'modelfleet_requests_total{model="_unknown",status="401",version=""} 2.0' in metrics
 
 
 def test_concurrency_cap_and_bounded_queue(guarded):
