@@ -199,9 +199,18 @@ class DynamicStore:
     """The Kubernetes API through the `kubernetes` dynamic client, writing with server-side apply."""
 
     def __init__(self, api_client: Any) -> None:
-        from kubernetes import dynamic
+        self._api_client = api_client
+        self._client: Any = None
 
-        self.client = dynamic.DynamicClient(api_client)
+    @property
+    def client(self) -> Any:
+        # Discovery needs the API server: done on first use, so start-up does not hang on a cluster
+        # that is away, and its absence becomes one request's 502 instead of a crash.
+        if self._client is None:
+            from kubernetes import dynamic
+
+            self._client = self._call(lambda: dynamic.DynamicClient(self._api_client), "discover the API")
+        return self._client
 
     def _resource(self, api_version: str, kind: str) -> Any:
         from kubernetes.dynamic.exceptions import ResourceNotFoundError
@@ -284,10 +293,17 @@ def connect(settings: Settings) -> Cluster:
     config_path = kubeconfig_path(settings)
     if settings.cluster == "auto" and not (config_path or in_cluster()):
         return NoCluster()
+    import yaml
     from kubernetes import client, config
 
     if config_path:
-        api_client = config.new_client_from_config(config_file=config_path)
+        try:
+            api_client = config.new_client_from_config(config_file=config_path)
+        except (config.ConfigException, yaml.YAMLError, ValueError, TypeError) as error:
+            problem = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ClusterUnavailable(
+                f"kubeconfig {config_path}: {problem}; fix it or unset KUBECONFIG"
+            ) from None
         where = f"(kubeconfig {config_path})"
     elif in_cluster():
         config.load_incluster_config()
@@ -297,6 +313,4 @@ def connect(settings: Settings) -> Cluster:
         raise ClusterUnavailable(
             "MODELFLEET_CLUSTER=kubernetes but no kubeconfig or in-cluster credentials found"
         )
-    return KubernetesCluster(
-        DynamicStore(api_client), server_pepper=settings.key_pepper.get_secret_value(), where=where
-    )
+    return KubernetesCluster(DynamicStore(api_client), where=where)

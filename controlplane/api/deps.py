@@ -59,7 +59,7 @@ def get_principal(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> Principal:
     principal = _authenticate(session, settings, credentials)
-    request.state.principal = principal  # for the audit of refused calls (main.py)
+    request.state.principal = principal  # for the audit of refused calls (api/handlers.py)
     return principal
 
 

@@ -48,7 +48,8 @@ def setup_tracing() -> None:
     wanted = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
     )
-    if not wanted or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    disabled = os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
+    if not wanted or disabled or os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
         return
     with _provider_lock:
         if _provider_set:

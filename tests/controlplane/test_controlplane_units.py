@@ -14,6 +14,7 @@ from alembic.runtime.migration import MigrationContext
 from controlplane_factories import MemoryStore, make_settings
 from fastapi.testclient import TestClient
 from kubernetes.client.exceptions import ApiException
+from modelfleet.controlplane import cluster as cluster_module
 from modelfleet.controlplane import resources
 from modelfleet.controlplane.cluster import DynamicStore, KubernetesCluster, NoCluster
 from modelfleet.controlplane.core import db, security
@@ -234,8 +235,8 @@ class FakeDynamicClient:
 
 
 def _store(fail: ApiException | None = None) -> DynamicStore:
-    store = DynamicStore.__new__(DynamicStore)
-    store.client = FakeDynamicClient(fail)
+    store = DynamicStore(api_client=None)
+    store._client = FakeDynamicClient(fail)
     return store
 
 
@@ -263,3 +264,32 @@ def test_dynamic_store_maps_api_errors():
         _store(urllib3.exceptions.MaxRetryError(None, "/api", "connection refused")).get(
             "v1", "Secret", "s", "ns"
         )
+
+
+KUBECONFIG = """
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+def test_connect_picks_the_cluster_from_the_settings(tmp_path):
+    assert isinstance(cluster_module.connect(make_settings("sqlite://", cluster="none")), NoCluster)
+    missing = str(tmp_path / "absent")
+    assert isinstance(
+        cluster_module.connect(make_settings("sqlite://", cluster="auto", kubeconfig=missing)), NoCluster
+    )
+    path = tmp_path / "kubeconfig"
+    path.write_text(KUBECONFIG)
+    cluster = cluster_module.connect(make_settings("sqlite://", cluster="auto", kubeconfig=str(path)))
+    assert isinstance(cluster, KubernetesCluster) and str(path) in cluster.describe()
+    # Nothing listens there: the first write fails as a cluster error, reads degrade to no status.
+    tenant, model, _ = _rows()
+    with pytest.raises(ClusterUnavailable, match="unreachable"):
+        cluster.apply_model(tenant, model)
+    path.write_text("clusters: [")
+    with pytest.raises(ClusterUnavailable, match="kubeconfig"):
+        cluster_module.connect(make_settings("sqlite://", cluster="kubernetes", kubeconfig=str(path)))
