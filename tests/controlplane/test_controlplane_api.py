@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from datetime import UTC, datetime, timedelta
 
 from controlplane_factories import ADMIN, PEPPER, Factory, MemoryStore, bearer, key_file, make_settings
@@ -106,6 +107,19 @@ def test_key_is_shown_once_stored_hashed_and_mirrored_as_digests(
     path.write_bytes(base64.b64decode(secret["data"]["keys"]))
     principal = KeyStore(path).authenticate(f"Bearer {token}")
     assert principal.key_id == created["prefix"] and principal.limits.tokens_per_minute == 5000
+
+
+def test_tokens_never_reach_the_logs(client: TestClient, factory: Factory, caplog):
+    caplog.set_level(logging.DEBUG)  # every logger, SQL statements with their parameters included
+    caplog.set_level(logging.DEBUG, logger="sqlalchemy")  # which sets itself to WARNING otherwise
+    tenant = factory.tenant()
+    created = factory.key(tenant)
+    client.get(f"{API}/me", headers=bearer(created["key"]))
+    client.get(f"{API}/me", headers=bearer(created["key"] + "x"))  # a wrong one is not logged either
+    client.delete(f"{API}/tenants/{tenant}/keys/{created['id']}", headers=ADMIN)
+    assert any("api_keys" in record.getMessage() for record in caplog.records)  # SQL was logged
+    secret = created["key"].split("_", 2)[2]
+    assert secret not in caplog.text
 
 
 def test_revoked_and_expired_keys_are_refused_and_leave_the_secret(
