@@ -1,6 +1,8 @@
 """Control-plane benchmark: requests/s and latency of a model GET and a traffic POST with 50 concurrent
 clients, on SQLite and on PostgreSQL, against `GET /health` (no database, no auth) as the baseline of
-the same run. The server runs in its own process (uvicorn, one worker); prints one JSON line.
+the same run. Traffic POSTs are measured twice: all clients on one model (most are refused with 409 by
+the optimistic lock, as they should be) and spread over one model per client. The server runs in its
+own process (uvicorn, one worker); prints one JSON line.
 
     python -m modelfleet.controlplane.bench [--clients 50] [--requests 2000] [--backends sqlite,postgresql]
 """
@@ -53,18 +55,23 @@ def _wait_ready(base: str, timeout_s: float = 60) -> None:
     raise RuntimeError(f"the control plane at {base} did not become ready in {timeout_s:.0f}s")
 
 
-def _setup(base: str) -> tuple[str, dict[str, str]]:
+def _setup(base: str, models: int) -> tuple[list[str], dict[str, str]]:
+    """A tenant, a key, and `models` models with versions v1 and v2; the models' URLs and the key."""
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    with httpx.Client(base_url=base, timeout=30) as client:
+    with httpx.Client(base_url=base, timeout=60) as client:
         client.post("/api/v1/tenants", json={"name": "bench"}, headers=admin).raise_for_status()
         key = client.post("/api/v1/tenants/bench/keys", json={}, headers=admin).json()["key"]
         headers = {"Authorization": f"Bearer {key}"}
-        model = "/api/v1/tenants/bench/models/chat"
-        client.post("/api/v1/tenants/bench/models", json={"name": "chat"}, headers=headers).raise_for_status()
-        for version in ("v1", "v2"):
-            body = {"version": version, "source": {"uri": f"pvc://models/chat/{version}"}}
-            client.post(f"{model}/versions", json=body, headers=headers).raise_for_status()
-        return model, headers
+        urls = []
+        for index in range(models):
+            body = {"name": f"chat-{index}"}
+            client.post("/api/v1/tenants/bench/models", json=body, headers=headers).raise_for_status()
+            url = f"/api/v1/tenants/bench/models/chat-{index}"
+            for version in ("v1", "v2"):
+                body = {"version": version, "source": {"uri": f"pvc://models/chat/{version}"}}
+                client.post(f"{url}/versions", json=body, headers=headers).raise_for_status()
+            urls.append(url)
+        return urls, headers
 
 
 async def _load(base: str, clients: int, total: int, make_request) -> dict[str, Any]:
@@ -106,7 +113,7 @@ def _run_backend(database_url: str, clients: int, total: int) -> dict[str, Any]:
     server.start()
     try:
         _wait_ready(base)
-        model, headers = _setup(base)
+        models, headers = _setup(base, clients)
         splits = [
             [{"version": "v1", "weight": 100 - w}, {"version": "v2", "weight": w}] for w in (10, 50, 90)
         ]
@@ -115,19 +122,22 @@ def _run_backend(database_url: str, clients: int, total: int) -> dict[str, Any]:
             return client.get("/health")
 
         def get_model(client, _):
-            return client.get(model, headers=headers)
+            return client.get(models[0], headers=headers)
 
-        def post_traffic(client, index):
+        def post_traffic(client, index, model=None):
             body = {"traffic": splits[index % len(splits)], "reason": "bench"}
-            return client.post(f"{model}/traffic", json=body, headers=headers)
+            return client.post(f"{model or models[0]}/traffic", json=body, headers=headers)
 
-        results = {}
-        for name, request in (
-            ("health_baseline", health),
-            ("get_model", get_model),
-            ("post_traffic", post_traffic),
-        ):
-            results[name] = asyncio.run(_load(base, clients, total, request))
+        def post_traffic_spread(client, index):
+            return post_traffic(client, index, models[index % len(models)])
+
+        cases = {
+            "health_baseline": health,  # no auth, no database: the server and client overhead
+            "get_model": get_model,
+            "post_traffic": post_traffic,  # every client on one model: optimistic locking refuses the losers
+            "post_traffic_spread": post_traffic_spread,  # one model per client: writes that rarely collide
+        }
+        results = {name: asyncio.run(_load(base, clients, total, request)) for name, request in cases.items()}
         return results
     finally:
         server.terminate()
