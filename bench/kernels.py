@@ -13,6 +13,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 
 import torch
 
@@ -231,7 +232,25 @@ def bench_decode_step(dtype, device, copy_gbps, batch_sizes=(1, 16, 64), context
             with torch.inference_mode():
                 model.compute_logits(runner.run(inputs, batch))
 
+        host_inputs = {name: value.cpu().numpy() for name, value in inputs.items()}
+
+        def graphed_from_host(_, host_inputs=host_inputs, batch=batch):
+            with torch.inference_mode():
+                model.compute_logits(runner.run(host_inputs, batch))
+
         eager_us, graph_us = median_us(eager, [None]), median_us(graphed, [None])
+        host_graph_us = median_us(graphed_from_host, [None])
+        torch.cuda.synchronize()
+        # host time to stage the inputs and launch the graph (the GPU runs behind it)
+        host_cpu_s = []
+        with torch.inference_mode():
+            for _ in range(20):  # each from an idle GPU, so no wait on an earlier step is counted
+                torch.cuda.synchronize()
+                cpu_start = time.perf_counter()
+                runner.run(host_inputs, batch)
+                host_cpu_s.append(time.perf_counter() - cpu_start)
+        torch.cuda.synchronize()
+        host_cpu_us = sorted(host_cpu_s)[len(host_cpu_s) // 2] * 1e6
         kv_read = batch * (context + 1) * 2 * config.num_layers * config.num_kv_heads * config.head_dim
         step_bytes = weight_bytes + kv_read * kv.element_size()
         roofline_us = step_bytes / copy_gbps / 1e3
@@ -243,6 +262,8 @@ def bench_decode_step(dtype, device, copy_gbps, batch_sizes=(1, 16, 64), context
                 "eager_us": round(eager_us, 1),
                 "graph_us": round(graph_us, 1),
                 "graph_speedup": round(eager_us / graph_us, 2),
+                "graph_from_host_inputs_us": round(host_graph_us, 1),
+                "graph_launch_cpu_us": round(host_cpu_us, 1),
                 "graph_tokens_per_s": round(batch * 1e6 / graph_us),
                 "pct_of_roofline": round(100 * roofline_us / graph_us, 1),
             }
@@ -255,12 +276,16 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="one shape, two decode cases")
     parser.add_argument("--no-decode-step", action="store_true", help="skip the whole-model decode step")
+    parser.add_argument("--decode-step-only", action="store_true", help="only the whole-model decode step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU with Triton; none found", file=sys.stderr)
         return 1
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     copy_gbps = copy_bandwidth_gbps(device)
+    if args.decode_step_only:
+        print(json.dumps({"bench": "kernels", "decode_step": bench_decode_step(dtype, device, copy_gbps)}))
+        return 0
     shapes = SHAPES[-1:] if args.quick else SHAPES
     decode_cases = DECODE_CASES[:2] if args.quick else DECODE_CASES
     results = []

@@ -10,6 +10,9 @@ each buffer's pad value (e.g. slot -1: no KV write; sequence length 0: no attent
     runner.capture()
     hidden = runner.run({"input_ids": ids, ...}, batch_size=n)   # a view of the graph's output
 
+Inputs may be device tensors or host data (numpy arrays, CPU tensors); host data is staged through
+pinned buffers and copied asynchronously, so a step never waits for the GPU to drain.
+
 `forward(views)` gets each buffer cut to the padded batch (buffers with extra leading rows, like
 query_start_loc's B+1, keep that extra). Buffers not named in run()'s inputs keep their contents (e.g. a
 query_start_loc fixed at 0, 1, 2, ...). The output of run() lives in graph memory: read it before the
@@ -23,6 +26,7 @@ import bisect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,9 @@ class DecodeGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # pinned host copies of the buffers, so host inputs reach the GPU without blocking the host
+        self.staging: dict[str, torch.Tensor] = {}
+        self.staged = torch.cuda.Event() if self.enabled else None
 
     def views(self, batch_size: int) -> dict[str, torch.Tensor]:
         return {name: buf[: batch_size + self.extra_rows[name]] for name, buf in self.buffers.items()}
@@ -91,26 +98,43 @@ class DecodeGraphRunner:
         i = bisect.bisect_left(self.batch_sizes, batch_size)
         return self.batch_sizes[i] if i < len(self.batch_sizes) and self.graphs else None
 
-    def run(self, inputs: Mapping[str, torch.Tensor], batch_size: int) -> torch.Tensor:
-        """inputs: name -> tensor with batch_size (+ that buffer's extra) rows; returns the output rows of
-        the real batch. Trailing dims may be smaller than the buffer's (e.g. a narrower block table)."""
+    def run(self, inputs: Mapping[str, torch.Tensor | np.ndarray], batch_size: int) -> torch.Tensor:
+        """inputs: name -> tensor or numpy array with batch_size (+ that buffer's extra) rows; returns the
+        output rows of the real batch. Trailing dims may be smaller than the buffer's (e.g. a narrower
+        block table). Host inputs (numpy, CPU tensors) go through pinned memory: no host sync."""
+        tensors = {name: torch.as_tensor(value) for name, value in inputs.items()}
         padded = self.padded_size(batch_size) if self.enabled else None
         if padded is None:
-            return self.forward(self._eager_inputs(inputs, batch_size))
-        for name, value in inputs.items():
+            return self.forward(self._eager_inputs(tensors, batch_size))
+        if any(t.device.type == "cpu" for t in tensors.values()):
+            self.staged.synchronize()  # the previous step's copies out of the pinned buffers are done
+        for name, value in tensors.items():
             buf = self.buffers[name]
-            rows = batch_size + self.extra_rows[name]
-            target = buf[(slice(0, rows), *(slice(0, n) for n in value.shape[1:]))]
-            target.copy_(value, non_blocking=True)
-            if padded > batch_size:
-                buf[rows : padded + self.extra_rows[name]].fill_(self.pad_values.get(name, 0))
+            rows, end = batch_size + self.extra_rows[name], padded + self.extra_rows[name]
+            dst = buf if value.device.type != "cpu" else self._staging(name)
+            dst[(slice(0, rows), *(slice(0, n) for n in value.shape[1:]))].copy_(value, non_blocking=True)
+            if end > rows:
+                dst[rows:end].fill_(self.pad_values.get(name, 0))
+            if dst is not buf:
+                buf[:end].copy_(dst[:end], non_blocking=True)
+        self.staged.record()
         self.graphs[padded].replay()
         return self.outputs[padded][:batch_size]
 
+    def _staging(self, name: str) -> torch.Tensor:
+        if name not in self.staging:
+            buf = self.buffers[name]
+            with torch.inference_mode(False):  # usable from inside and outside inference mode
+                self.staging[name] = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
+        return self.staging[name]
+
     def _eager_inputs(self, inputs: Mapping[str, torch.Tensor], batch_size: int) -> dict[str, torch.Tensor]:
-        """The given inputs plus the kept ones: from `static_inputs`, else the buffers' leading rows."""
+        """The given inputs (on the buffers' device, in their dtype) plus the kept ones: from
+        `static_inputs`, else the buffers' leading rows."""
         full = dict(self.static_inputs(batch_size)) if self.static_inputs else {}
-        full.update(inputs)
+        for name, value in inputs.items():
+            buf = self.buffers[name]
+            full[name] = value.to(device=buf.device, dtype=buf.dtype, non_blocking=True)
         for name, buf in self.buffers.items():
             if name in full:
                 continue
