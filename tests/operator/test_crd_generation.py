@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import argparse
 
 import kubernetes_validate
 import pytest
@@ -23,22 +22,22 @@ def test_checked_in_crds_match_the_models(repo_root):
     assert not stale, f"crds/ is stale ({stale}); run `modelfleet crds --out crds`"
 
 
-def test_check_flag_fails_on_stale_files_and_write_fixes_them(tmp_path):
-    args = ["-c", "import sys; from modelfleet.cli.commands import main; sys.exit(main(sys.argv[1:]))"]
+def run_crds(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="modelfleet")
+    crdgen.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["crds", *argv])
+    return args.func(args)
+
+
+def test_check_flag_fails_on_stale_files_and_write_fixes_them(tmp_path, capsys):
     (tmp_path / "inferencemodels.modelfleet.dev.yaml").write_text("stale: true\n")
-    check = subprocess.run(
-        [sys.executable, *args, "crds", "--out", str(tmp_path), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if "No module named" in check.stderr:
-        pytest.fail(f"the CLI does not start: {check.stderr.strip().splitlines()[-1]}")
-    assert check.returncode == 1
-    assert "inferencemodels.modelfleet.dev.yaml" in check.stderr
-    assert "modelversions.modelfleet.dev.yaml" in check.stderr  # missing counts as stale
-    assert crdgen.stale_files(tmp_path)
-    crdgen.write_crds(tmp_path)
+    assert run_crds("--out", str(tmp_path), "--check") == 1
+    error = capsys.readouterr().err
+    assert "inferencemodels.modelfleet.dev.yaml" in error
+    assert "modelversions.modelfleet.dev.yaml" in error  # missing counts as stale
+    assert "run `modelfleet crds --out" in error
+    assert run_crds("--out", str(tmp_path)) == 0
+    assert run_crds("--out", str(tmp_path), "--check") == 0
     assert crdgen.stale_files(tmp_path) == []
 
 

@@ -125,21 +125,27 @@ async def finish_job(kmock, name: str, summary: dict) -> dict:
         ]
     }
     kmock.objects[JOBS, NS, name] = job
+    kmock.objects[PODS, NS, f"{name}-abcde"] = finished_pod(name, summary)
+    return job
+
+
+def finished_pod(job: str, summary: dict) -> dict:
+    """A pod of `job` whose converter container terminated with `summary` as its message."""
+    ok = summary.get("ok", False)
     terminated = {
         "exitCode": 0 if ok else 1,
         "finishedAt": "2026-01-01T00:10:00Z",
         "message": json.dumps(summary),
     }
-    kmock.objects[PODS, NS, f"{name}-abcde"] = {
+    return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"{name}-abcde", "namespace": NS, "labels": {"job-name": name}},
+        "metadata": {"name": f"{job}-abcde", "namespace": NS, "labels": {"job-name": job}},
         "status": {
             "phase": "Succeeded" if ok else "Failed",
             "containerStatuses": [{"name": "convert", "state": {"terminated": terminated}}],
         },
     }
-    return job
 
 
 def artifact(version: str, dtype: str) -> dict:
