@@ -55,12 +55,14 @@ class ModelRunner:
 
         self.block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.dtype)
         budget = self._kv_cache_budget(config)
+        # Blocks beyond what max_num_seqs sequences of max_model_len tokens can fill would never be used.
         max_useful = config.max_num_seqs * -(-self.max_model_len // self.block_size)
         self.num_blocks = min(budget // self.block_bytes, max_useful)
         if self.num_blocks < 1:
+            field = "kv_cache_bytes" if self.device.type == "cpu" else "kv_cache_memory_fraction"
             raise ValueError(
-                f"kv_cache_bytes: the KV-cache budget of {budget} bytes holds no block of "
-                f"{self.block_bytes} bytes; raise it"
+                f"{field}: the KV-cache budget of {budget} bytes holds no block of {self.block_bytes} bytes; "
+                "raise it"
             )
         mc = self.model_config
         shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)

@@ -29,7 +29,7 @@ ARCHITECTURES = {
         "LlamaConfig",
         dict(tie_word_embeddings=True, rope_parameters=dict(LLAMA3_ROPE, rope_theta=500000.0, factor=32.0)),
     ),
-    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "mistral-sliding-window": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=96)),
     "qwen2-qkv-bias-tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3-qk-norm": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
 }

@@ -191,3 +191,23 @@ def test_engine_config_refuses_bad_settings(tiny_model_dir, tmp_path):
         LLM(tiny_model_dir, no_such_setting=1)
     with pytest.raises(ValueError, match=r"^max_model_len:"):
         LLM(tiny_model_dir, max_model_len=10**6)
+
+
+def test_kv_cache_is_sized_from_the_byte_budget_and_logged(tiny_model_dir, caplog):
+    import torch
+    from modelfleet.dataplane.models import ModelConfig, kv_cache_block_bytes
+
+    block_bytes = kv_cache_block_bytes(ModelConfig.from_dir(tiny_model_dir), 16, torch.float32)
+    with caplog.at_level("INFO", logger="modelfleet.dataplane.engine.model_runner"):
+        llm = LLM(tiny_model_dir, kv_cache_bytes=37 * block_bytes + 5, dtype="float32", device="cpu")
+    runner = llm.engine.runner
+    assert runner.num_blocks == 37 and llm.stats().num_total_blocks == 37
+    assert runner.kv_cache_bytes == 37 * block_bytes
+    assert "KV cache: 37 blocks of 16 tokens" in caplog.text
+    # A request can never outgrow the whole cache: the usable length shrinks to what it holds.
+    assert llm.engine.max_model_len == 37 * 16
+    # A budget larger than every sequence at full length could fill is not allocated.
+    capped = LLM(tiny_model_dir, max_model_len=64, max_num_seqs=2, kv_cache_bytes=1 << 30, device="cpu")
+    assert capped.engine.runner.num_blocks == 2 * 4
+    with pytest.raises(ValueError, match=r"^kv_cache_bytes:"):
+        LLM(tiny_model_dir, kv_cache_bytes=block_bytes - 1, dtype="float32", device="cpu")
