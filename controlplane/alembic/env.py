@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from logging.config import fileConfig
+
 from alembic import context
 from modelfleet.controlplane.core.config import get_settings
 from modelfleet.controlplane.models import Base
@@ -28,7 +30,10 @@ def run_online() -> None:
     if connection is not None:
         run_with(connection)
         return
-    # Run from the `alembic` command line: the same settings the server reads.
+    # Run from the `alembic` command line: the same settings the server reads, and the ini's logging
+    # (only here: inside the server it would replace the server's own logging set-up).
+    if config.config_file_name:
+        fileConfig(config.config_file_name, disable_existing_loggers=False)
     engine = create_engine(get_settings().database_url)
     with engine.begin() as connection:
         run_with(connection)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import urllib3
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from controlplane_factories import MemoryStore, make_settings
@@ -162,6 +163,19 @@ def _migrated_from_empty(url: str) -> list:
 
 def test_migrations_build_the_models_schema_on_sqlite(tmp_path):
     assert _migrated_from_empty(f"sqlite:///{tmp_path}/fresh.db") == []
+
+
+def test_migrations_downgrade_to_nothing_and_back(tmp_path):
+    engine = db.make_engine(make_settings(f"sqlite:///{tmp_path}/roundtrip.db"))
+    db.run_migrations(engine)
+    config = db.alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, "base")
+    assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
+    db.run_migrations(engine)
+    assert set(Base.metadata.tables) <= set(inspect(engine).get_table_names())
+    engine.dispose()
 
 
 @pytest.mark.postgres
