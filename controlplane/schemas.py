@@ -20,6 +20,7 @@ Label = Annotated[str, StringConstraints(pattern=DNS_LABEL, min_length=1, max_le
 ModelName = Annotated[str, StringConstraints(pattern=DNS_LABEL, min_length=1, max_length=40)]
 VersionName = Annotated[str, StringConstraints(pattern=DNS_LABEL, min_length=1, max_length=22)]
 Reason = Annotated[str, StringConstraints(max_length=2000)]
+ModelPattern = Annotated[str, StringConstraints(pattern=r"^[a-z0-9*?\[\]-]+$", min_length=1, max_length=63)]
 
 
 def _known_accelerator(value: str) -> str:
@@ -64,13 +65,17 @@ class TenantCreate(Strict):
     namespace: Label | None = Field(default=None, description="Kubernetes namespace; defaults to the name")
     gpu_quota: int = Field(default=0, ge=0, le=100_000)
     token_rate_limit: int = Field(default=0, ge=0, description="tokens per minute; 0 means unlimited")
-    allowed_models: list[str] = Field(default_factory=list, description="model name patterns; empty = any")
+    allowed_models: list[ModelPattern] = Field(
+        default_factory=list,
+        max_length=100,
+        description="model name patterns (fnmatch, e.g. chat-*); empty = any",
+    )
 
 
 class TenantUpdate(Strict):
     gpu_quota: int | None = Field(default=None, ge=0, le=100_000)
     token_rate_limit: int | None = Field(default=None, ge=0)
-    allowed_models: list[str] | None = None
+    allowed_models: list[ModelPattern] | None = Field(default=None, max_length=100)
 
 
 class TenantPublic(Public):
