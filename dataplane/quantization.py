@@ -60,6 +60,28 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * scale.float()[:, None]).to(dtype)
 
 
+def dequantize_to(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize() in two kernels on the tensor's device (no float32 copy of the whole matrix)."""
+    return q.to(dtype) * scale.to(dtype)[:, None]
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row float8 e4m3 of activations [M, K]: (fp8 [M, K], float32 scale [M, 1]). One Triton kernel on
+    CUDA (the torch ops are seven launches, which cost more than the matmul when decoding)."""
+    kernel = _triton_fp8_rows_kernel() if x.is_cuda else None
+    if kernel is None or x.shape[1] > 32768:
+        scale = x.detach().float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / FP8_MAX
+        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    import triton
+
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, k), device=x.device, dtype=FP8_DTYPE)
+    scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
+    kernel[(m,)](x, out, scale, k, x.stride(0), FP8_MAX, _TINY, BLOCK=triton.next_power_of_2(k))
+    return out, scale
+
+
 def fp8_supported(device: torch.device | str) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -106,6 +128,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._use_int8pack = True
         self._rowwise_fp8 = True
+        self._fp8_checked = False
 
     @classmethod
     def from_float(cls, linear: nn.Linear, fmt: str) -> QuantizedLinear:
@@ -129,7 +152,13 @@ class QuantizedLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
-        if self._use_int8pack:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            # The Triton kernel reads the int8 weight once and converts it in registers; without Triton,
+            # dequantize once per call and let cuBLAS multiply (correct, but it reads more bytes than bf16).
+            if _triton_int8_kernel() is not None:
+                return int8_weight_only_matmul(x, self.weight, self.weight_scale)
+            return F.linear(x, dequantize_to(self.weight, self.weight_scale, x.dtype))
+        if self._use_int8pack and not x.is_cuda:  # torch's CUDA int8pack kernel is far slower than bf16
             # The CPU kernel reads the weight with aligned vector loads and crashes on an unaligned one,
             # which is what an mmap-loaded safetensors tensor often is: copy it once into aligned memory.
             if self.weight.data_ptr() % _ALIGN:
@@ -141,11 +170,12 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype))
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
-        check_fp8_supported(x.device)
+        if not self._fp8_checked:
+            check_fp8_supported(x.device)
+            self._fp8_checked = True
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         # Per-token activation scales (dynamic): e4m3 has little precision, so each row uses its full range.
-        x_scale = x.detach().float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / FP8_MAX  # [M, 1]
-        x_fp8 = (x.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        x_fp8, x_scale = quantize_rows_fp8(x)
         w_t = self.weight.t()  # [in, out], column-major as _scaled_mm wants
         if self._rowwise_fp8:
             try:
@@ -159,3 +189,114 @@ class QuantizedLinear(nn.Module):
         one = torch.ones((), device=x.device, dtype=torch.float32)
         y = torch._scaled_mm(x_fp8, w_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return (y * x_scale * self.weight_scale[None, :]).to(x.dtype)
+
+
+# ---- CUDA: weight-only int8 matmul in Triton (int8 weights converted to bf16/fp16 in registers) ----
+# torch has no fast weight-only int8 GEMM on CUDA; reading int8 instead of bf16 halves the bytes that
+# bound decode, so the kernel streams the int8 weight once and scales each output channel at the end.
+
+_KERNEL: list = []  # [kernel or None], built on first use
+_FP8_ROWS_KERNEL: list = []
+
+
+def _triton_int8_kernel():
+    if _KERNEL:
+        return _KERNEL[0]
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _KERNEL.append(None)
+        return None
+
+    small_m = ((32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 4, 5), (128, 128, 4, 4), (128, 64, 8, 4))
+    configs = [
+        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bn, bk, w, st in small_m
+    ] + [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bm, bn, bk, w, st in (
+            (64, 64, 128, 4, 4),
+            (64, 128, 64, 4, 4),
+            (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+        )
+    ]
+
+    @triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])
+    @triton.jit
+    def kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_ym,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            x = tl.load(
+                x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                mask=(rm[:, None] < M) & (kk[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(  # [BLOCK_K, BLOCK_N] view of the [N, K] weight
+                w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                mask=(rn[None, :] < N) & (kk[:, None] < K),
+                other=0,
+            )
+            acc += tl.dot(x, w.to(x.dtype))
+        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        acc = acc * scale[None, :]
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + rn[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
+        )
+
+    _KERNEL.append(kernel)
+    return kernel
+
+
+def int8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ (weight [N, K] int8 * scale [N]).T on CUDA, in x's dtype."""
+    import triton
+
+    kernel = _triton_int8_kernel()
+    x = x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    # A few tuned configs per weight shape: lone decodes, decode batches, chunks of prefill.
+    m_bucket = next((b for b in (16, 64, 256) if m <= b), 1024)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+
+    kernel[grid](x, weight, scale, y, m, n, k, m_bucket, x.stride(0), weight.stride(0), y.stride(0))
+    return y
+
+
+def _triton_fp8_rows_kernel():
+    if _FP8_ROWS_KERNEL:
+        return _FP8_ROWS_KERNEL[0]
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _FP8_ROWS_KERNEL.append(None)
+        return None
+
+    @triton.jit
+    def kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, fp8_max, tiny, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), tiny) / fp8_max
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
+        tl.store(out_ptr + row * K + cols, q.to(out_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(scale_ptr + row, scale)
+
+    _FP8_ROWS_KERNEL.append(kernel)
+    return kernel

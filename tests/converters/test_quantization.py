@@ -97,11 +97,13 @@ def test_fp8_refuses_clearly_without_a_capable_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_int8_linear_on_cuda():
+@pytest.mark.parametrize("rows", [1, 33, 300])
+@pytest.mark.parametrize(("inp", "out"), [(256, 512), (96, 200)])
+def test_int8_linear_on_cuda(rows, inp, out):
     torch.manual_seed(0)
-    linear = nn.Linear(256, 512, bias=True).cuda().to(torch.bfloat16)
+    linear = nn.Linear(inp, out, bias=True).cuda().to(torch.bfloat16)
     qlinear = QuantizedLinear.from_float(linear, "int8").cuda()
-    x = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, inp, device="cuda", dtype=torch.bfloat16)
     ref = nn.functional.linear(
         x.float(), dequantize(qlinear.weight, qlinear.weight_scale), linear.bias.float()
     )
@@ -134,3 +136,17 @@ def test_int8_linear_runs_an_unaligned_weight():
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     reference = x.float() @ dequantize(q, scale).t()
     torch.testing.assert_close(qlinear(x).float(), reference, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(1, 64), (7, 4096), (3, 1000)])
+def test_fp8_row_quantization_on_cuda_matches_the_torch_reference(shape):
+    from modelfleet.dataplane.quantization import FP8_MAX, quantize_rows_fp8
+
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quantize_rows_fp8(x)
+    ref_scale = x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    torch.testing.assert_close(scale, ref_scale)
+    ref_q = (x.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=2**-3)
