@@ -123,15 +123,27 @@ def model_resync(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
     model_changed(body=body, memo=memo, logger=logger, reason="resync")
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-def deployment_event(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
-    """A serving Deployment changed (pods ready, quota refusals, deleted): refresh its model."""
-    deploy = _plain(body)
-    model = deploy["metadata"].get("labels", {}).get(names.LABEL_MODEL)
+SERVING = {**MANAGED, names.LABEL_COMPONENT: "dataplane"}
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=SERVING)
+@kopf.on.event("", "v1", "services", labels=SERVING)
+@kopf.on.event("", "v1", "configmaps", labels=SERVING)
+def serving_child_event(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+    """A serving object changed (pods ready, quota refusals, edited or deleted): refresh its model, which
+    re-applies what drifted and re-creates what is gone."""
+    child = _plain(body)
+    model = child["metadata"].get("labels", {}).get(names.LABEL_MODEL)
     ctx = _context(memo, logger)
-    im = ctx.kube.get(*_im_ref(), deploy["metadata"]["namespace"], model) if model else None
+    im = ctx.kube.get(*_im_ref(), child["metadata"]["namespace"], model) if model else None
     if im is not None and not im["metadata"].get("deletionTimestamp"):
-        _run("InferenceModel", "deployment", im, model, lambda: sync.reconcile_model(ctx, im))
+        _run(
+            "InferenceModel",
+            child.get("kind", "child").lower(),
+            im,
+            model,
+            lambda: sync.reconcile_model(ctx, im),
+        )
 
 
 # --- ModelVersion ----------------------------------------------------------------------------------------

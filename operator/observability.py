@@ -36,7 +36,9 @@ tracer = trace.get_tracer("modelfleet.operator")
 
 
 @contextmanager
-def observed_reconcile(kind: str, namespace: str, name: str, trigger: str) -> Iterator[trace.Span]:
+def observed_reconcile(
+    kind: str, namespace: str, name: str, trigger: str, *, tracer_: trace.Tracer | None = None
+) -> Iterator[trace.Span]:
     """Time, count and trace one reconcile; an exception is recorded and re-raised."""
     start = time.perf_counter()
     attributes = {
@@ -45,7 +47,7 @@ def observed_reconcile(kind: str, namespace: str, name: str, trigger: str) -> It
         "modelfleet.name": name,
         "modelfleet.trigger": trigger,
     }
-    with tracer.start_as_current_span(f"reconcile {kind}", attributes=attributes) as span:
+    with (tracer_ or tracer).start_as_current_span(f"reconcile {kind}", attributes=attributes) as span:
         try:
             yield span
         except Exception as exc:

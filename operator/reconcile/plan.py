@@ -54,15 +54,14 @@ def serving_plan(
             serving.manifest_configmap(im, manifest),
             serving.deployment(im, spec, settings),
             serving.service(im, settings),
+            serving.disruption_budget(im),
         ]
     )
-    optional = [
-        ("autoscaling/v2", "HorizontalPodAutoscaler", serving.autoscaler(im, spec, settings)),
-        ("policy/v1", "PodDisruptionBudget", serving.disruption_budget(im, spec)),
-    ]
-    for api_version, kind, obj in optional:
-        if obj is not None:
-            plan.apply.append(obj)
-        else:
-            plan.remove.append(ObjectRef(api_version, kind, namespace, names.serving_name(model)))
+    hpa = serving.autoscaler(im, spec, settings)
+    if hpa is not None:
+        plan.apply.append(hpa)
+    else:  # replicas.min == max: a fixed size, and an HPA left from before would fight it
+        plan.remove.append(
+            ObjectRef("autoscaling/v2", "HorizontalPodAutoscaler", namespace, names.serving_name(model))
+        )
     return plan

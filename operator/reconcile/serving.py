@@ -290,13 +290,12 @@ def autoscaler(
     }
 
 
-def disruption_budget(im: dict[str, Any], spec: InferenceModelSpec) -> dict[str, Any] | None:
-    """A PDB keeping all but one pod up during voluntary disruptions, when there are at least two.
+def disruption_budget(im: dict[str, Any]) -> dict[str, Any]:
+    """A PDB letting voluntary disruptions (node drains, upgrades) take one pod at a time.
 
-    With one replica a budget could only block node drains forever, so there is none.
+    maxUnavailable rather than minAvailable: with a single replica a drain still goes through (the
+    Deployment's surge pod takes over), where minAvailable: 1 would block it forever.
     """
-    if spec.replicas.min < 2:
-        return None
     model = im["metadata"]["name"]
     return {
         "apiVersion": "policy/v1",

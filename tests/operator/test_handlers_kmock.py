@@ -13,6 +13,7 @@ import logging
 import re
 from typing import Any
 
+import aiohttp.web
 import kmock
 import kopf
 import pytest
@@ -40,7 +41,8 @@ log = logging.getLogger("test")
 
 
 class ApplyingEmulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus the one server-side-apply behaviour we rely on: apply creates what is missing."""
+    """kmock's emulator plus the two server-side-apply behaviours we rely on: apply creates what is
+    missing, and applying what is already there changes nothing (no write, no watch event)."""
 
     async def _handle(self, request: Any) -> Any:
         is_apply = request.headers.get("Content-Type", "").startswith("application/apply-patch")
@@ -48,7 +50,15 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
             key = (request.resource, request.namespace, request.name)
             if key not in self.objects or self.objects[key].deleted:
                 self.objects[key] = request.data
+            elif _contains(json.loads(json.dumps(self.objects[key].raw)), request.data):
+                return aiohttp.web.json_response(self.objects[key].raw)
         return await super()._handle(request)
+
+
+def _contains(whole: Any, part: Any) -> bool:
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(k in whole and _contains(whole[k], v) for k, v in part.items())
+    return whole == part
 
 
 pytestmark = pytest.mark.kmock(cls=ApplyingEmulator)
@@ -186,7 +196,7 @@ async def test_new_model_gets_conversion_jobs_and_serving_objects(kmock, cluster
     assert await obj(kmock, "autoscaling/v2/horizontalpodautoscalers", "chat") is not None
     # Every write is a server-side apply under one field manager.
     applies = requests(kmock, "PATCH", r"fieldManager=modelfleet-operator")
-    assert len(applies) == 3 + 4 and all("apply-patch" in r.headers["Content-Type"] for r in applies)
+    assert len(applies) == 3 + 5 and all("apply-patch" in r.headers["Content-Type"] for r in applies)
 
     v2 = (await obj(kmock, MV, "chat-v2"))["status"]
     assert v2["phase"] == "Converting" and condition(v2, "Ready") == ("False", "Converting")
@@ -255,7 +265,7 @@ async def test_a_deleted_child_comes_back(kmock, cluster, memo):
     deployment = await obj(kmock, DEPLOYMENTS, "chat")
     await kmock.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/chat")
     assert await obj(kmock, DEPLOYMENTS, "chat") is None
-    await call(handlers.deployment_event, deployment, memo)
+    await call(handlers.serving_child_event, deployment, memo)
     assert (await obj(kmock, DEPLOYMENTS, "chat"))["spec"] == deployment["spec"]
 
 

@@ -67,3 +67,27 @@ def test_reconciles_are_counted_timed_and_errors_recorded():
         sample("modelfleet_operator_reconcile_duration_seconds_count", kind="InferenceModel")
         == count_before + 2
     )
+
+
+def test_reconciles_are_traced():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    with observed_reconcile("ModelVersion", "team-a", "chat-v1", "job", tracer_=tracer):
+        pass
+    with (
+        pytest.raises(ValueError),
+        observed_reconcile("InferenceModel", "team-a", "chat", "resync", tracer_=tracer),
+    ):
+        raise ValueError("no")
+    ok, failed = exporter.get_finished_spans()
+    assert ok.name == "reconcile ModelVersion" and ok.attributes["modelfleet.trigger"] == "job"
+    assert ok.attributes["k8s.namespace.name"] == "team-a" and ok.attributes["modelfleet.name"] == "chat-v1"
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.events[0].name == "exception"

@@ -180,7 +180,7 @@ def test_pod_is_locked_down_probed_scraped_and_drains(both_ready):
     assert env["MODELFLEET_API_KEY_FILE"] == "/etc/modelfleet-keys/keys"
 
 
-def test_hpa_and_pdb_only_when_they_make_sense(example_objects):
+def test_hpa_only_when_replicas_may_vary_and_always_a_pdb(example_objects):
     im = copy.deepcopy(example_objects["chat"])  # replicas 1..3
     plan, _ = plan_for(im, [])
     kinds = by_kind(plan)
@@ -188,7 +188,8 @@ def test_hpa_and_pdb_only_when_they_make_sense(example_objects):
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 3)
     assert hpa["metrics"][0]["pods"]["metric"]["name"] == "modelfleet_num_requests_waiting"
     assert "replicas" not in kinds["Deployment"]["spec"]  # the HPA owns it
-    assert [r.kind for r in plan.remove] == ["PodDisruptionBudget"]
+    assert plan.remove == []
+    assert kinds["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1  # never blocks a drain of 1 pod
 
     im["spec"]["replicas"] = {"min": 2, "max": 2}
     plan, _ = plan_for(im, [])
