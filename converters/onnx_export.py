@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from modelfleet.converters import progress
 from modelfleet.converters.checkpoint import Checkpoint
-from modelfleet.converters.errors import ConversionError
+from modelfleet.converters.errors import BadInputError, ConversionError
 from torch import nn
 
 OPSET = 18
@@ -180,6 +180,15 @@ def build_module(ckpt: Checkpoint, dtype: torch.dtype) -> ExportableLlama:
 def export_onnx(ckpt: Checkpoint, dest: Path, dtype: torch.dtype) -> None:
     """Write dest/model.onnx (+ model.onnx.data) with dynamic batch, sequence and past lengths."""
     cfg = normalized_config(ckpt.config)
+    window = cfg.get("sliding_window")
+    windowed = (
+        window and window < cfg.get("max_position_embeddings", 0) and cfg.get("use_sliding_window", True)
+    )
+    if windowed:
+        raise BadInputError(
+            f"ONNX export has no sliding-window attention (config.json sliding_window={window}); "
+            "use --format torch for this model"
+        )
     module = build_module(ckpt, dtype)
     layers, kv, head_dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
     batch, seq, past = 2, 3, 4  # sizes above 1 so the exporter keeps them symbolic

@@ -253,3 +253,21 @@ def test_tensorrt_missing_is_one_line_and_non_zero(tiny_model_dir, tmp_path, cap
     assert summary["reason"].startswith("TensorRT is not installed")
     assert err.strip() == f"error: {summary['reason']}"
     assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_onnx_refuses_sliding_window_models(tiny_model_dir, tmp_path, capsys):
+    source = tmp_path / "windowed"
+    shutil.copytree(tiny_model_dir, source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (source / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out" / "onnx"
+    code, summary, _ = run_convert(
+        capsys, "--source", str(source), "--target", "cpu", "--format", "onnx", "--out", str(out)
+    )
+    assert (
+        code == 2
+        and "no sliding-window attention" in summary["reason"]
+        and "--format torch" in summary["reason"]
+    )
+    assert not out.exists() and leftovers(out.parent) == []
