@@ -193,6 +193,14 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
         old_status=im.get("status"),
         now=ctx.clock(),
     )
+    old_generation = (im.get("status") or {}).get("observedGeneration")
+    if model.spec.rollout is not None and old_generation != generation:
+        ctx.event(
+            im,
+            "Warning",
+            "RolloutNotExecuted",
+            "spec.rollout is stored but this operator does not step it; move traffic with spec.traffic",
+        )
     before = (im.get("status") or {}).get("traffic")
     if _write_status(ctx, im, status) and before != status["traffic"]:
         message = f"serving traffic {status['traffic'] or 'none'} (requested: {_requested(model)})"

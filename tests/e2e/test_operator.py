@@ -302,4 +302,5 @@ def test_model_yaml_to_serving_objects_traffic_and_clean_up(namespace, kubectl, 
             lambda kind=kind, name=name: kubectl.get(kind, name) is None,
             on_fail=logs,
         )
-    assert kubectl.get("im") == [] and kubectl.get("mv") == []
+    wait("no InferenceModel left", lambda: kubectl.get("im") == [], on_fail=logs)
+    wait("no ModelVersion left (the finalizer lets go)", lambda: kubectl.get("mv") == [], on_fail=logs)
