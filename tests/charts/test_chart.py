@@ -99,6 +99,7 @@ OPERATOR_CLUSTER_WIDE_GRANTS = {
 CONTROL_PLANE_GRANTS = {
     *{("", "namespaces", v) for v in ("create", "patch", "delete")},
     *{("", r, v) for r in ("resourcequotas", "secrets") for v in ("create", "patch")},
+    ("", "secrets", "get"),
     *{
         ("modelfleet.dev", r, v)
         for r in ("inferencemodels", "modelversions")
