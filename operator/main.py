@@ -10,16 +10,30 @@ import argparse
 import logging
 import sys
 
-from modelfleet.operator.settings import get_settings
+from modelfleet.operator.settings import OperatorSettings, get_settings
+from pydantic import ValidationError
+
+
+def load_settings() -> OperatorSettings | None:
+    """The settings, or None after printing one line that names the bad environment variable."""
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        variable = f"MODELFLEET_{str(error['loc'][0]).upper()}" if error["loc"] else "MODELFLEET_*"
+        print(f"error: {variable}: {error['msg']}; fix the environment variable", file=sys.stderr)
+        return None
 
 
 def _run(args: argparse.Namespace) -> int:
+    settings = load_settings()  # before the handlers module, which reads them on import
+    if settings is None:
+        return 2
     import kopf
     from modelfleet.operator import handlers  # noqa: F401  (registers the handlers with kopf)
     from modelfleet.operator.observability import REGISTRY, setup_tracing
     from prometheus_client import start_http_server
 
-    settings = get_settings()
     namespaces = [] if args.all_namespaces else (args.namespace or settings.namespaces)
     standalone = args.standalone or settings.operator_standalone
     peering = args.peering or settings.operator_peering

@@ -30,8 +30,9 @@ def version_views(model_versions: list[dict[str, Any]], model_name: str) -> dict
     views = {}
     for mv in model_versions:
         spec, status = mv.get("spec", {}), mv.get("status") or {}
-        if spec.get("model") != model_name:
-            continue  # a version being deleted still serves: its finalizer waits for traffic to leave it
+        # A version being deleted still counts: its finalizer keeps it until traffic has left it.
+        if spec.get("model") != model_name or not spec.get("version"):
+            continue
         ready = next((c for c in status.get("conditions", []) if c.get("type") == "Ready"), {})
         views[spec["version"]] = VersionView(
             name=spec["version"],

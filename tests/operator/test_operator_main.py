@@ -91,3 +91,19 @@ def test_reconciles_are_traced():
     assert ok.attributes["k8s.namespace.name"] == "team-a" and ok.attributes["modelfleet.name"] == "chat-v1"
     assert failed.status.status_code is StatusCode.ERROR
     assert failed.events[0].name == "exception"
+
+
+def test_a_bad_environment_variable_is_one_line_and_exit_2(monkeypatch, capsys):
+    from modelfleet.operator.settings import get_settings
+
+    monkeypatch.setenv("MODELFLEET_OPERATOR_HEALTH_PORT", "eighty")
+    get_settings.cache_clear()
+    try:
+        parser = argparse.ArgumentParser(prog="modelfleet")
+        main.add_parser(parser.add_subparsers())
+        args = parser.parse_args(["operator", "--standalone"])
+        assert args.func(args) == 2
+    finally:
+        get_settings.cache_clear()
+    error = capsys.readouterr().err
+    assert error.startswith("error: MODELFLEET_OPERATOR_HEALTH_PORT: ") and error.count("\n") == 1
