@@ -103,10 +103,13 @@ class AsyncLLM:
                 outputs = self.engine.step()
             except Exception as exc:  # a broken step fails every request in flight, loudly
                 logger.exception("engine step failed")
-                self._fail_all(exc)
+                self._fail_all(RuntimeError(f"engine step failed: {exc}"))
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
+        # Closed: nothing will answer the requests still in flight, so end their streams loudly.
+        self._commands.clear()
+        self._fail_all(RuntimeError("AsyncLLM was closed"))
 
     def _apply_commands(self) -> None:
         while self._commands:
@@ -127,7 +130,7 @@ class AsyncLLM:
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):
             self.engine.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            self._deliver(request_id, exc)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -100,3 +100,15 @@ async def test_duplicate_request_id_is_refused(engine):
         await collect(engine, [1, 2], SamplingParams(max_tokens=2), "dup")
     await stream.aclose()
     await wait_idle(engine)
+
+
+async def test_close_ends_streams_in_flight(tiny_model_dir):
+    llm = AsyncLLM(tiny_model_dir, max_model_len=128, kv_cache_bytes=1 << 20, dtype="float32", device="cpu")
+    stream = llm.generate([4, 5, 6], SamplingParams(max_tokens=120, **GREEDY), "open")
+    await stream.__anext__()
+    await asyncio.get_running_loop().run_in_executor(None, llm.close)
+    with pytest.raises(RuntimeError, match="closed"):
+        async for _ in stream:
+            pass
+    with pytest.raises(RuntimeError, match="closed"):
+        await collect(llm, [1], SamplingParams(max_tokens=1), "late")
