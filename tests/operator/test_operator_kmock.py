@@ -72,8 +72,12 @@ async def test_kopf_runs_the_handlers_on_watch_events(emulated_cluster):
         assert await eventually(lambda: _every(kmock, "batch/v1/jobs", jobs)), "no conversion Jobs"
         assert await eventually(lambda: obj(kmock, "apps/v1/deployments", "chat")), "no Deployment"
         assert await eventually(lambda: _traffic(kmock, "v1=0,v2=0"))
-        mv = await obj(kmock, MV, "chat-v1")
-        assert "modelfleet.dev/in-use-protection" in mv["metadata"].get("finalizers", [])
+
+        async def protected():
+            mv = await obj(kmock, MV, "chat-v1")
+            return "modelfleet.dev/in-use-protection" in mv["metadata"].get("finalizers", []) or None
+
+        assert await eventually(protected), "kopf put no finalizer (of our name) on the version"
 
         # A Job completes (an update on its watch stream): the version's artifact reaches the traffic.
         job = "chat-v1-convert-nvidia-h100-torch-bf16"
