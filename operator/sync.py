@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelfleet.operator.api import API_VERSION, InferenceModel
-from modelfleet.operator.kube import Kube, status_patch
+from modelfleet.operator.kube import Kube, KubeError, status_patch
 from modelfleet.operator.reconcile import conversion, names
 from modelfleet.operator.reconcile.conditions import condition, merge_conditions, now_rfc3339
 from modelfleet.operator.reconcile.model_status import invalid_spec_status, model_status
@@ -55,7 +55,12 @@ def _write_status(ctx: Context, obj: dict[str, Any], new: dict[str, Any]) -> boo
     if patch is None:
         return False
     meta = obj["metadata"]
-    ctx.kube.patch_status(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch)
+    try:
+        ctx.kube.patch_status(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], patch)
+    except KubeError as exc:
+        if exc.status == 404:  # deleted meanwhile: nothing left to report on
+            return False
+        raise
     obj["status"] = new
     return True
 
