@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import kopf
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -51,7 +52,7 @@ def observed_reconcile(
         try:
             yield span
         except Exception as exc:
-            retry = getattr(exc, "retryable", False)
+            retry = isinstance(exc, kopf.TemporaryError) or getattr(exc, "retryable", False)
             RECONCILES.labels(kind, trigger, "retry" if retry else "error").inc()
             RECONCILE_ERRORS.labels(kind, type(exc).__name__).inc()
             span.record_exception(exc)
