@@ -17,7 +17,7 @@ from modelfleet.operator.kube import Kube, KubeError, status_patch
 from modelfleet.operator.reconcile import conversion, names
 from modelfleet.operator.reconcile.conditions import condition, merge_conditions, now_rfc3339
 from modelfleet.operator.reconcile.model_status import invalid_spec_status, model_status
-from modelfleet.operator.reconcile.plan import serving_plan, version_views
+from modelfleet.operator.reconcile.plan import duplicate_versions, serving_plan, version_views
 from modelfleet.operator.reconcile.serving import endpoint
 from modelfleet.operator.reconcile.targets import TargetError, resolve_targets
 from modelfleet.operator.reconcile.traffic import plan_traffic
@@ -68,16 +68,29 @@ def _write_status(ctx: Context, obj: dict[str, Any], new: dict[str, Any]) -> boo
 # --- ModelVersion ----------------------------------------------------------------------------------------
 
 
-def reconcile_version(ctx: Context, mv: dict[str, Any], accelerator: str | None) -> dict[str, Any]:
-    """Create the missing conversion Jobs of `mv`, read their outcomes, write its status; returns it."""
+def reconcile_version(
+    ctx: Context, mv: dict[str, Any], accelerator: str | None, duplicate_of: str | None = None
+) -> dict[str, Any]:
+    """Create the missing conversion Jobs of `mv`, read their outcomes, write its status; returns it.
+
+    `duplicate_of` names an older ModelVersion that already provides the same model and version: this
+    one then converts nothing and says so.
+    """
     meta = mv["metadata"]
     namespace, generation = meta["namespace"], meta.get("generation")
+    version = None
     try:
         version = validate_model_version(mv)
     except InvalidResource as exc:
         targets: Any = TargetError("InvalidSpec", str(exc))
-        version = None
-    else:
+    if duplicate_of is not None:
+        spec = mv.get("spec", {})
+        targets = TargetError(
+            "DuplicateVersion",
+            f"ModelVersion {duplicate_of} already provides {spec.get('model')}@{spec.get('version')}; "
+            "delete this one or give it another spec.version",
+        )
+    elif version is not None:
         try:
             targets = resolve_targets(version.spec, accelerator)
         except TargetError as exc:
@@ -178,8 +191,9 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
         for mv in ctx.kube.list(API_VERSION, "ModelVersion", namespace)
         if mv.get("spec", {}).get("model") == name
     ]
+    duplicates = duplicate_versions(mvs)
     for mv in mvs:
-        reconcile_version(ctx, mv, accelerator)
+        reconcile_version(ctx, mv, accelerator, duplicates.get(mv["metadata"]["name"]))
     planned = plan_traffic(model.spec, version_views(mvs, name), ctx.settings)
     plan = serving_plan(im, model.spec, planned, ctx.settings)
     for obj in plan.apply:

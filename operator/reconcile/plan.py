@@ -25,13 +25,30 @@ class ServingPlan:
     remove: list[ObjectRef] = field(default_factory=list)
 
 
+def duplicate_versions(model_versions: list[dict[str, Any]]) -> dict[str, str]:
+    """ModelVersions naming a (model, version) that an older one already provides -> that older one."""
+    first: dict[tuple[str, str], str] = {}
+    duplicates = {}
+    oldest_first = sorted(
+        model_versions, key=lambda mv: (mv["metadata"].get("creationTimestamp") or "", mv["metadata"]["name"])
+    )
+    for mv in oldest_first:
+        key = (mv.get("spec", {}).get("model"), mv.get("spec", {}).get("version"))
+        if key in first:
+            duplicates[mv["metadata"]["name"]] = first[key]
+        else:
+            first[key] = mv["metadata"]["name"]
+    return duplicates
+
+
 def version_views(model_versions: list[dict[str, Any]], model_name: str) -> dict[str, VersionView]:
-    """The model's ModelVersions by spec.version (objects of other models are ignored)."""
+    """The model's ModelVersions by spec.version (objects of other models, and duplicates, are ignored)."""
     views = {}
+    duplicates = duplicate_versions(model_versions)
     for mv in model_versions:
         spec, status = mv.get("spec", {}), mv.get("status") or {}
         # A version being deleted still counts: its finalizer keeps it until traffic has left it.
-        if spec.get("model") != model_name or not spec.get("version"):
+        if spec.get("model") != model_name or not spec.get("version") or mv["metadata"]["name"] in duplicates:
             continue
         ready = next((c for c in status.get("conditions", []) if c.get("type") == "Ready"), {})
         views[spec["version"]] = VersionView(

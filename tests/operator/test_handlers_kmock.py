@@ -348,3 +348,17 @@ async def test_a_version_deleted_mid_reconcile_is_skipped(kmock, cluster, memo):
     kmock[re.compile(r".*/modelversions/chat-v2/status$")] << 404 << {"kind": "Status", "message": "gone"}
     await call(handlers.model_changed, cluster["chat"], memo, reason="create")  # no error
     assert (await obj(kmock, IM, "chat"))["status"]["traffic"] == "v1=0,v2=0"
+
+
+async def test_a_second_version_of_the_same_name_converts_nothing_and_says_so(kmock, cluster, memo):
+    copycat = copy.deepcopy(cluster["chat-v1"])
+    copycat["metadata"].update(name="chat-v1-again", uid="u-again", creationTimestamp="2030-01-01T00:00:00Z")
+    cluster["chat-v1"]["metadata"]["creationTimestamp"] = "2026-01-01T00:00:00Z"
+    kmock.objects[MV, NS, "chat-v1"] = cluster["chat-v1"]
+    kmock.objects[MV, NS, "chat-v1-again"] = copycat
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    status = (await obj(kmock, MV, "chat-v1-again"))["status"]
+    assert status["phase"] == "Failed" and condition(status, "Ready") == ("False", "DuplicateVersion")
+    assert "ModelVersion chat-v1 already provides chat@v1" in status["conditions"][0]["message"]
+    assert await obj(kmock, JOBS, "chat-v1-again-convert-nvidia-h100-torch-bf16") is None
+    assert (await obj(kmock, MV, "chat-v1"))["status"]["phase"] == "Converting"
