@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import sys
 
 from modelfleet.operator.settings import OperatorSettings, get_settings
@@ -49,11 +50,15 @@ def _run(args: argparse.Namespace) -> int:
         start_http_server(settings.operator_metrics_port, registry=REGISTRY)
     setup_tracing()
     health = settings.operator_health_port
+    # Peers of equal priority all pause (kopf steps every one of them back), so each replica draws its
+    # own: the highest acts, the others wait and take over when its keep-alives stop.
+    priority = settings.operator_priority or secrets.randbelow(32767) + 1
     kopf.run(
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=True if standalone else None,
         peering_name=None if standalone else peering,
+        priority=priority,
         liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
     )
     return 0

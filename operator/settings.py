@@ -18,6 +18,9 @@ class OperatorSettings(BaseSettings):
     # The operator process itself.
     operator_peering: str = Field(default="modelfleet", description="kopf peering object name")
     operator_standalone: bool = Field(default=False, description="run without peering (development only)")
+    operator_priority: int | None = Field(
+        default=None, ge=1, le=32767, description="peering priority; empty: a random one per process"
+    )
     operator_namespaces: str = Field(default="", description="comma-separated; empty: all namespaces")
     operator_metrics_port: int = Field(default=9090, ge=0, le=65535, description="0: no metrics server")
     operator_health_port: int = Field(default=8080, ge=0, le=65535, description="0: no liveness endpoint")

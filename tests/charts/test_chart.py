@@ -87,10 +87,10 @@ OPERATOR_WORKLOAD_GRANTS = {
 OPERATOR_FRAMEWORK_GRANTS = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
-}
-OPERATOR_CLUSTER_WIDE_GRANTS = {
     ("", "namespaces", "list"),
     ("", "namespaces", "watch"),
+}
+OPERATOR_CLUSTER_WIDE_GRANTS = {
     ("kopf.dev", "clusterkopfpeerings", "list"),
     ("kopf.dev", "clusterkopfpeerings", "watch"),
     ("kopf.dev", "clusterkopfpeerings", "get"),
