@@ -186,8 +186,11 @@ class LLMEngine:
         seq = state.seq
         new_token_ids = seq.output_token_ids[state.num_reported_tokens :]
         new_text, stopped = state.detokenizer.add_tokens(new_token_ids, finished=seq.is_finished)
-        if stopped and not seq.is_finished:
-            self.scheduler.finish(seq.request_id, "stop")
+        if stopped:
+            if seq.is_finished:
+                seq.finish_reason = "stop"  # the stop string came with the last allowed token
+            else:
+                self.scheduler.finish(seq.request_id, "stop")
         output = self._make_output(state, new_token_ids, new_text)
         if seq.is_finished:
             del self._requests[seq.request_id]
