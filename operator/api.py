@@ -181,7 +181,18 @@ class Rollout(_Model):
             )
         ),
     )
-    interval: str = Field(default="5m", max_length=32, pattern=DURATION_PATTERN, description="e.g. 30s, 5m.")
+    interval: str = Field(
+        default="5m",
+        max_length=32,
+        pattern=DURATION_PATTERN,
+        description="How long each step runs before it is judged, e.g. 30s, 5m.",
+    )
+    min_requests: int = Field(
+        default=20,
+        ge=1,
+        le=1000000,
+        description="Candidate requests a step needs before it is judged; fewer and the step waits.",
+    )
     thresholds: Thresholds = Field(default_factory=Thresholds)
 
     @field_validator("steps")
@@ -267,6 +278,70 @@ class VersionStatus(_Model):
     message: str | None = Field(default=None, max_length=1024)
 
 
+RolloutPhase = Literal["Progressing", "Succeeded", "RolledBack", "Paused"]
+
+
+class VersionMetrics(_Model):
+    """What one version did during the last judged (or judging) window of a rollout step."""
+
+    version: str = Field(max_length=63)
+    requests: int = Field(default=0, ge=0)
+    errors: int = Field(default=0, ge=0, description="Requests answered with a 5xx status.")
+    error_rate: float | None = Field(default=None, ge=0, le=1)
+    p95_latency_ms: float | None = Field(default=None, ge=0, description="From end-to-end latency buckets.")
+
+
+class StatusCount(_Model):
+    code: str = Field(max_length=8, description="HTTP status code.")
+    count: float = Field(ge=0)
+
+
+class BucketCount(_Model):
+    le: str = Field(max_length=32, description="Upper bound in seconds, or +Inf.")
+    count: float = Field(ge=0)
+
+
+class VersionSample(_Model):
+    """One pod's counters of one version: requests by status, cumulative end-to-end latency buckets."""
+
+    version: str = Field(max_length=63)
+    statuses: list[StatusCount] = Field(default_factory=list, max_length=64)
+    buckets: list[BucketCount] = Field(default_factory=list, max_length=64)
+
+
+class PodSample(_Model):
+    name: str = Field(max_length=253)
+    versions: list[VersionSample] = Field(default_factory=list, max_length=MAX_VERSIONS)
+
+
+class RolloutSample(_Model):
+    """The data-plane pods' counters when a step's window began (its metrics are deltas from these)."""
+
+    taken_at: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    pods: list[PodSample] = Field(default_factory=list, max_length=1000)
+
+
+class RolloutStatus(_Model):
+    """Where the automated canary of spec.rollout stands; the operator's memory between its steps."""
+
+    candidate: str = Field(max_length=63)
+    phase: RolloutPhase
+    step: int = Field(ge=0, le=20, description="Index into spec.rollout.steps.")
+    step_started_at: str = Field(json_schema_extra={"format": "date-time"})
+    spec_hash: str = Field(
+        max_length=64, description="Digest of candidate, steps and spec.traffic; a change starts over."
+    )
+    baseline: list[TrafficEntry] = Field(
+        default_factory=list, max_length=MAX_VERSIONS, description="The split restored on rollback."
+    )
+    traffic: list[TrafficEntry] = Field(
+        default_factory=list, max_length=MAX_VERSIONS, description="The split the rollout serves now."
+    )
+    last_metrics: list[VersionMetrics] = Field(default_factory=list, max_length=MAX_VERSIONS)
+    message: str = Field(default="", max_length=1024)
+    sample: RolloutSample | None = None
+
+
 class InferenceModelStatus(_Model):
     observed_generation: int | None = Field(default=None, ge=0)
     conditions: list[Condition] = _conditions_field()
@@ -274,6 +349,7 @@ class InferenceModelStatus(_Model):
     traffic: str | None = Field(default=None, max_length=1024, description="Served split, e.g. v1=90,v2=10.")
     ready_replicas: int = Field(default=0, ge=0)
     versions: list[VersionStatus] = Field(default_factory=list, max_length=MAX_VERSIONS)
+    rollout: RolloutStatus | None = None
 
 
 # --- ModelVersion ----------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ MANAGED = {names.LABEL_MANAGED_BY: names.FIELD_MANAGER}
 ANNOTATION_PREFIX = "modelfleet.dev"
 RETRY_SECONDS = 10
 RESYNC_SECONDS = get_settings().resync_seconds
+ROLLOUT_TICK_SECONDS = get_settings().rollout_tick_seconds
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -121,6 +122,20 @@ def model_changed(body: kopf.Body, memo: Any, logger: Any, reason: str = "update
 @kopf.timer(*INFERENCE_MODELS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS / 2)
 def model_resync(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
     model_changed(body=body, memo=memo, logger=logger, reason="resync")
+
+
+def _rollout_pending(spec: Any, status: Any, **_: Any) -> bool:
+    return sync.rollout_pending(copy.deepcopy(dict(spec or {})), copy.deepcopy(dict(status or {})))
+
+
+# kopf timer intervals are fixed per handler: the timer ticks often, and each rollout step waits its own
+# spec.rollout.interval, counted from status.rollout.stepStartedAt.
+@kopf.timer(*INFERENCE_MODELS, interval=ROLLOUT_TICK_SECONDS, when=_rollout_pending)
+def rollout_tick(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+    """Start, judge or advance the model's canary (spec.rollout), and serve its traffic."""
+    im = _plain(body)
+    ctx = _context(memo, logger)
+    _run("InferenceModel", "rollout", im, im["metadata"]["name"], lambda: sync.step_rollout(ctx, im))
 
 
 SERVING = {**MANAGED, names.LABEL_COMPONENT: "dataplane"}

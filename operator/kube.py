@@ -129,11 +129,24 @@ class Kube:
         return True
 
     def patch_status(
-        self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any]
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
-        """JSON merge patch of the status subresource (None values remove keys)."""
+        """JSON merge patch of the status subresource (None values remove keys).
+
+        With `resource_version` the write happens only if the object is still at that version (the API
+        server answers 409 Conflict otherwise): a compare-and-swap for state kept in status.
+        """
         path = resource_path(api_version, kind, namespace, name) + "/status"
-        return self._call("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return self._call("PATCH", path, body=body, content_type="application/merge-patch+json")
 
 
 def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:

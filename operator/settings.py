@@ -27,6 +27,11 @@ class OperatorSettings(BaseSettings):
     log_level: str = "info"
     resync_seconds: float = Field(default=60.0, gt=0, description="periodic re-reconcile of every resource")
 
+    rollout_tick_seconds: float = Field(
+        default=10.0, gt=0, description="how often rollouts are checked (a step waits its interval)"
+    )
+    rollout_scrape_timeout_seconds: float = Field(default=5.0, gt=0, description="per data-plane pod")
+
     # What goes into the pods the operator creates.
     dataplane_image: str = "ghcr.io/modelfleet/modelfleet:0.1.0"
     dataplane_image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")

@@ -7,14 +7,16 @@ both no-ops, so nothing loops.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from modelfleet.operator.api import API_VERSION, InferenceModel
+from modelfleet.operator.api import API_VERSION, InferenceModel, InferenceModelSpec, TrafficEntry
 from modelfleet.operator.kube import Kube, KubeError, status_patch
-from modelfleet.operator.reconcile import conversion, names
+from modelfleet.operator.metrics_source import MetricsSource, ScrapeError
+from modelfleet.operator.reconcile import conversion, names, rollout
 from modelfleet.operator.reconcile.conditions import condition, merge_conditions, now_rfc3339
 from modelfleet.operator.reconcile.model_status import invalid_spec_status, model_status
 from modelfleet.operator.reconcile.plan import duplicate_versions, serving_plan, version_views
@@ -22,12 +24,14 @@ from modelfleet.operator.reconcile.serving import endpoint
 from modelfleet.operator.reconcile.targets import TargetError, resolve_targets
 from modelfleet.operator.reconcile.traffic import plan_traffic
 from modelfleet.operator.reconcile.version_status import version_status
+from modelfleet.operator.reconcile.windows import Sample, sample_from_status, sample_to_status, windows
 from modelfleet.operator.settings import OperatorSettings
 from modelfleet.operator.validation import InvalidResource, validate_inference_model, validate_model_version
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], str]
 Recorder = Callable[[dict[str, Any], str, str, str], None]  # (object, Normal|Warning, reason, message)
+Scraper = Callable[[str, str], Sample]  # (namespace, model) -> counters of the model's data-plane pods
 
 
 def _no_events(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
@@ -41,6 +45,7 @@ class Context:
     logger: logging.Logger | logging.LoggerAdapter = log
     clock: Clock = now_rfc3339
     record: Recorder = _no_events  # posts a Kubernetes Event about an object
+    scrape: Scraper | None = None  # default: the pods' /metrics, through `MetricsSource`
 
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
         log_level = logging.WARNING if type_ == "Warning" else logging.INFO
@@ -186,6 +191,14 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
         _write_status(ctx, im, status)
         raise
     accelerator = model.spec.hardware.accelerator
+    old_rollout = None
+    if model.spec.rollout is not None:
+        # The rollout timer may have moved a step since this body was read: serve what status says now.
+        latest = ctx.kube.get(API_VERSION, "InferenceModel", namespace, name)
+        if latest is not None:
+            im["status"] = latest.get("status") or {}
+        old_rollout = (im.get("status") or {}).get("rollout")
+    traffic_spec = _effective_spec(model.spec, old_rollout)
     mvs = [
         mv
         for mv in ctx.kube.list(API_VERSION, "ModelVersion", namespace)
@@ -194,7 +207,7 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
     duplicates = duplicate_versions(mvs)
     for mv in mvs:
         reconcile_version(ctx, mv, accelerator, duplicates.get(mv["metadata"]["name"]))
-    planned = plan_traffic(model.spec, version_views(mvs, name), ctx.settings)
+    planned = plan_traffic(traffic_spec, version_views(mvs, name), ctx.settings)
     plan = serving_plan(im, model.spec, planned, ctx.settings)
     for obj in plan.apply:
         ctx.kube.apply(obj)
@@ -212,23 +225,97 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
         old_status=im.get("status"),
         now=ctx.clock(),
     )
-    old_generation = (im.get("status") or {}).get("observedGeneration")
-    if model.spec.rollout is not None and old_generation != generation:
-        ctx.event(
-            im,
-            "Warning",
-            "RolloutNotExecuted",
-            "spec.rollout is stored but this operator does not step it; move traffic with spec.traffic",
-        )
+    if old_rollout is not None:  # kept while spec.rollout is set; dropped (and forgotten) without it
+        status["rollout"] = old_rollout
     before = (im.get("status") or {}).get("traffic")
     if _write_status(ctx, im, status) and before != status["traffic"]:
-        message = f"serving traffic {status['traffic'] or 'none'} (requested: {_requested(model)})"
+        requested = "rollout" if traffic_spec is not model.spec else "requested"
+        message = f"serving traffic {status['traffic'] or 'none'} ({requested}: {_split(traffic_spec)})"
         ctx.event(im, "Normal", "TrafficUpdated", message)
     return status
 
 
-def _requested(model: InferenceModel) -> str:
-    return ",".join(f"{t.version}={t.weight}" for t in model.spec.traffic)
+def _split(spec: InferenceModelSpec) -> str:
+    return ",".join(f"{t.version}={t.weight}" for t in spec.traffic)
+
+
+def _effective_spec(spec: InferenceModelSpec, rollout_state: dict[str, Any] | None) -> InferenceModelSpec:
+    """spec, with the rollout's split in place of spec.traffic while a rollout of this spec holds one."""
+    traffic = rollout.effective_traffic(spec, rollout_state)
+    if traffic is None:
+        return spec
+    return spec.model_copy(update={"traffic": [TrafficEntry.model_validate(t) for t in traffic]})
+
+
+# --- rollouts --------------------------------------------------------------------------------------------
+
+
+def rollout_pending(spec: dict[str, Any], status: dict[str, Any] | None) -> bool:
+    """Whether an InferenceModel has a rollout to start or step (the rollout timer's filter)."""
+    if not spec.get("rollout"):
+        return False
+    try:
+        parsed = InferenceModelSpec.model_validate(spec)
+    except ValueError:
+        return False  # the model's reconcile reports the invalid spec
+    return rollout.stage(parsed, (status or {}).get("rollout"), dt.datetime.now(dt.UTC)) != "finished"
+
+
+def step_rollout(ctx: Context, im: dict[str, Any]) -> rollout.Decision | None:
+    """Start, judge or advance the model's rollout; apply the resulting traffic. Safe to run twice:
+    the step is read fresh from status and written back only if status is still what it was read as."""
+    meta = im["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    latest = ctx.kube.get(API_VERSION, "InferenceModel", namespace, name)
+    if latest is None or latest["metadata"].get("deletionTimestamp"):
+        return None
+    model = validate_inference_model(latest)
+    if model.spec.rollout is None:
+        return None
+    state = (latest.get("status") or {}).get("rollout")
+    now_text = ctx.clock()
+    now = dt.datetime.fromisoformat(now_text)
+    stage = rollout.stage(model.spec, state, now)
+    if stage in ("wait", "finished"):
+        return rollout.decide(model.spec, state, now, None)
+    observed = _observe(ctx, namespace, name, state if stage == "judge" else None, now_text)
+    decision = rollout.decide(model.spec, state, now, observed)
+    if decision.state is None or decision.state == state:
+        return decision
+    status = {**(latest.get("status") or {}), "rollout": decision.state}
+    try:
+        ctx.kube.patch_status(
+            API_VERSION,
+            "InferenceModel",
+            namespace,
+            name,
+            {"rollout": decision.state},
+            resource_version=latest["metadata"].get("resourceVersion"),
+        )
+    except KubeError as exc:
+        if exc.status == 404:
+            return None
+        raise  # 409: another writer moved first; the next tick reads its result
+    latest["status"] = status
+    if decision.event is not None:
+        ctx.event(latest, *decision.event)
+    if decision.traffic != (state or {}).get("traffic"):
+        reconcile_model(ctx, latest)
+    return decision
+
+
+def _observe(
+    ctx: Context, namespace: str, name: str, state: dict[str, Any] | None, now: str
+) -> rollout.Observed:
+    scrape = ctx.scrape or MetricsSource(
+        ctx.kube, ctx.settings.dataplane_port, ctx.settings.rollout_scrape_timeout_seconds
+    )
+    try:
+        current = scrape(namespace, name)
+    except ScrapeError as exc:
+        return rollout.Observed(error=str(exc))
+    previous = sample_from_status((state or {}).get("sample"))
+    return rollout.Observed(sample=sample_to_status(current, now), windows=windows(previous, current))
 
 
 def reconcile_model_of_version(ctx: Context, mv: dict[str, Any]) -> None:

@@ -116,14 +116,14 @@ def plan_traffic(
     ]
 
 
-def redistribute(weights: dict[str, int]) -> dict[str, int]:
-    """Scale weights to sum to 100 (largest remainder, ties by order); all 0 when they sum to 0."""
+def redistribute(weights: dict[str, int], target: int = 100) -> dict[str, int]:
+    """Scale weights to sum to `target` (largest remainder, ties by order); all 0 when they sum to 0."""
     total = sum(weights.values())
     if total == 0:
         return dict.fromkeys(weights, 0)
-    exact = {name: w * 100 / total for name, w in weights.items()}
+    exact = {name: w * target / total for name, w in weights.items()}
     floors = {name: int(x) for name, x in exact.items()}
-    left = 100 - sum(floors.values())
+    left = target - sum(floors.values())
     by_remainder = sorted(weights, key=lambda n: (-(exact[n] - floors[n]), list(weights).index(n)))
     for name in by_remainder[:left]:
         floors[name] += 1

@@ -334,16 +334,6 @@ async def test_a_deleted_version_leaves_the_served_traffic(kmock, cluster, memo)
     assert await obj(kmock, MV, "chat-v2") is None  # and nothing wrote to the deleted version
 
 
-async def test_a_rollout_spec_is_reported_as_not_executed(kmock, cluster, memo, events):
-    model = copy.deepcopy(cluster["chat"])
-    model["spec"]["rollout"] = {"candidate": "v2"}
-    kmock.objects[IM, NS, "chat"] = model
-    await call(handlers.model_changed, model, memo, reason="create")
-    await call(handlers.model_resync, await obj(kmock, IM, "chat"), memo)
-    warned = [e for e in events if e[2] == "RolloutNotExecuted"]
-    assert len(warned) == 1 and "spec.traffic" in warned[0][3]  # once per generation, not per resync
-
-
 async def test_a_version_deleted_mid_reconcile_is_skipped(kmock, cluster, memo):
     kmock[re.compile(r".*/modelversions/chat-v2/status$")] << 404 << {"kind": "Status", "message": "gone"}
     await call(handlers.model_changed, cluster["chat"], memo, reason="create")  # no error
