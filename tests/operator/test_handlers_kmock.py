@@ -17,10 +17,13 @@ import aiohttp.web
 import kmock
 import kopf
 import pytest
+import yaml
 from kubernetes import client
 from modelfleet.operator import handlers, sync
 from modelfleet.operator.kube import Kube
+from modelfleet.operator.reconcile import names
 from modelfleet.operator.settings import OperatorSettings
+from test_metrics_source import MetricsServer
 
 NS = "team-a"
 IM = "modelfleet.dev/v1alpha1/inferencemodels"
@@ -352,3 +355,146 @@ async def test_a_second_version_of_the_same_name_converts_nothing_and_says_so(km
     assert "ModelVersion chat-v1 already provides chat@v1" in status["conditions"][0]["message"]
     assert await obj(kmock, JOBS, "chat-v1-again-convert-nvidia-h100-torch-bf16") is None
     assert (await obj(kmock, MV, "chat-v1"))["status"]["phase"] == "Converting"
+
+
+# --- rollouts --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def metrics_server():
+    server = MetricsServer()
+    yield server
+    server.close()
+
+
+def data_plane_pod(name: str, port: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": names.selector_labels("chat")},
+        "spec": {"containers": [{"name": "server", "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1"},
+    }
+
+
+async def served_weights(kmock) -> dict[str, int]:
+    manifest = yaml.safe_load((await obj(kmock, "v1/configmaps", "chat-manifest"))["data"]["manifest.yaml"])
+    return {v["name"]: v["weight"] for v in manifest["models"][0]["versions"]}
+
+
+async def rollout_cluster(kmock, cluster, memo, metrics_server, clock, **rollout_spec) -> dict:
+    """chat with both versions converted, one data-plane pod serving /metrics, and spec.rollout set."""
+    model = copy.deepcopy(cluster["chat"])
+    model["spec"]["traffic"] = [{"version": "v1", "weight": 100}, {"version": "v2", "weight": 0}]
+    model["spec"]["rollout"] = {"candidate": "v2", "interval": "1m", "minRequests": 10, **rollout_spec}
+    kmock.objects[IM, NS, "chat"] = model
+    memo.ctx.clock = lambda: clock[0]
+    await call(handlers.model_changed, model, memo, reason="create")
+    await finish_job(kmock, "chat-v1-convert-nvidia-h100-torch-bf16", artifact("v1", "bf16"))
+    for dtype in ("bf16", "fp8"):
+        await finish_job(kmock, f"chat-v2-convert-nvidia-h100-torch-{dtype}", artifact("v2", dtype))
+    kmock.objects[PODS, NS, "chat-7d9f-abcde"] = data_plane_pod("chat-7d9f-abcde", metrics_server.port)
+    await call(handlers.model_resync, await obj(kmock, IM, "chat"), memo)
+    assert await served_weights(kmock) == {"v1": 100, "v2": 0}
+    return model
+
+
+def rollout_events(events) -> list[tuple[str, str]]:
+    return [(type_, reason) for _, type_, reason, _ in events if reason.startswith("Rollout")]
+
+
+async def test_the_rollout_timer_steps_the_canary_and_rolls_back_on_errors(
+    kmock, cluster, memo, events, metrics_server
+):
+    clock = ["2026-01-01T10:00:00Z"]
+    await rollout_cluster(kmock, cluster, memo, metrics_server, clock, steps=[50, 100])
+
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert status["rollout"]["phase"] == "Progressing" and status["rollout"]["step"] == 0
+    assert status["rollout"]["sample"]["pods"][0]["name"] == "chat-7d9f-abcde"
+    assert status["traffic"] == "v1=50,v2=50" and await served_weights(kmock) == {"v1": 50, "v2": 50}
+    assert rollout_events(events) == [("Normal", "RolloutStepAdvanced")]
+
+    # Safe to run twice: the same tick again, then one before the interval is over, change nothing.
+    writes = len(requests(kmock, "PATCH", r"/status$"))
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    clock[0] = "2026-01-01T10:00:59Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    assert len(requests(kmock, "PATCH", r"/status$")) == writes and len(rollout_events(events)) == 1
+
+    # Judged after the interval, but with too few candidate requests: it waits and says so.
+    metrics_server.serve("chat", "v2", ok=4)
+    clock[0] = "2026-01-01T10:01:00Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    rollout_status = (await obj(kmock, IM, "chat"))["status"]["rollout"]
+    assert rollout_status["step"] == 0 and "fewer than minRequests 10" in rollout_status["message"]
+
+    metrics_server.serve("chat", "v2", ok=8)  # 12 since the step began
+    metrics_server.serve("chat", "v1", ok=20, failed=20)  # the baseline's errors are not the candidate's
+    clock[0] = "2026-01-01T10:01:10Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert status["rollout"]["step"] == 1 and status["rollout"]["stepStartedAt"] == "2026-01-01T10:01:10Z"
+    assert {m["version"]: m["requests"] for m in status["rollout"]["lastMetrics"]} == {"v1": 40, "v2": 12}
+    assert await served_weights(kmock) == {"v1": 0, "v2": 100}
+
+    metrics_server.serve("chat", "v2", ok=8, failed=2)  # 20% > the default 1%
+    clock[0] = "2026-01-01T10:02:10Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert status["rollout"]["phase"] == "RolledBack" and status["traffic"] == "v1=100,v2=0"
+    assert await served_weights(kmock) == {"v1": 100, "v2": 0}
+    assert rollout_events(events) == [
+        ("Normal", "RolloutStepAdvanced"),
+        ("Normal", "RolloutStepAdvanced"),
+        ("Warning", "RolloutRolledBack"),
+    ]
+    rolled_back = next(e[3] for e in events if e[2] == "RolloutRolledBack")
+    assert "error rate 20.00% (2 of 10 requests failed) > 1.00% at step 2/2" in rolled_back
+    model = await obj(kmock, IM, "chat")
+    assert not handlers._rollout_pending(spec=model["spec"], status=model["status"])
+
+    # The result stays served by every later reconcile, until the user edits spec.
+    await call(handlers.model_resync, model, memo)
+    assert (await obj(kmock, IM, "chat"))["status"]["rollout"]["phase"] == "RolledBack"
+    assert await served_weights(kmock) == {"v1": 100, "v2": 0}
+
+
+async def test_a_healthy_canary_succeeds_and_dropping_spec_rollout_serves_spec_traffic(
+    kmock, cluster, memo, events, metrics_server
+):
+    clock = ["2026-01-01T10:00:00Z"]
+    model = await rollout_cluster(kmock, cluster, memo, metrics_server, clock, steps=[100])
+    assert handlers._rollout_pending(spec=model["spec"], status={})
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    assert await served_weights(kmock) == {"v1": 0, "v2": 100}
+
+    metrics_server.serve("chat", "v2", ok=30)
+    clock[0] = "2026-01-01T10:05:00Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert status["rollout"]["phase"] == "Succeeded" and status["traffic"] == "v1=0,v2=100"
+    assert rollout_events(events)[-1] == ("Normal", "RolloutSucceeded")
+
+    edited = await obj(kmock, IM, "chat")
+    del edited["spec"]["rollout"]
+    edited["metadata"]["generation"] = 2
+    kmock.objects[IM, NS, "chat"] = edited
+    await call(handlers.model_changed, edited, memo, reason="update")
+    status = (await obj(kmock, IM, "chat"))["status"]
+    assert "rollout" not in status and status["traffic"] == "v1=100,v2=0"
+
+
+async def test_a_rollout_without_reachable_pods_pauses(kmock, cluster, memo, events, metrics_server):
+    clock = ["2026-01-01T10:00:00Z"]
+    await rollout_cluster(kmock, cluster, memo, metrics_server, clock)
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    metrics_server.close()
+    clock[0] = "2026-01-01T10:01:00Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    rollout_status = (await obj(kmock, IM, "chat"))["status"]["rollout"]
+    assert rollout_status["phase"] == "Paused" and rollout_status["step"] == 0
+    assert "no data-plane pod of chat answered /metrics" in rollout_status["message"]
+    assert rollout_events(events)[-1] == ("Warning", "RolloutPaused")
+    assert await served_weights(kmock) == {"v1": 90, "v2": 10}
