@@ -8,6 +8,9 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from modelfleet.operator.api import InferenceModelSpec
+from modelfleet.operator.reconcile import serving
+from modelfleet.operator.settings import OperatorSettings
 
 from .helm import (
     CHART,
@@ -22,6 +25,18 @@ from .helm import (
 )
 
 DIGEST = "sha256:" + "ab" * 32
+DATAPLANE_POD_LABELS = {
+    "app.kubernetes.io/component": "dataplane",
+    "app.kubernetes.io/managed-by": "modelfleet-operator",
+}
+EXAMPLE_MODEL = {
+    "metadata": {"name": "chat", "namespace": "team-a", "uid": "u1"},
+    "apiVersion": "x",
+    "kind": "y",
+}
+EXAMPLE_SPEC = InferenceModelSpec.model_validate(
+    {"hardware": {"accelerator": "cpu"}, "traffic": [{"version": "v1", "weight": 100}]}
+)
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -426,7 +441,6 @@ def test_env_names_are_settings_the_components_read(rendered) -> None:
     silently ignored), and the Secret names agree with the control plane's."""
     from modelfleet.controlplane import resources
     from modelfleet.controlplane.core.config import Settings
-    from modelfleet.operator.settings import OperatorSettings
 
     deployments = by_kind(rendered[("postgresql", "1.37.0")], "Deployment")
     for name, settings in (("operator", OperatorSettings), ("controlplane", Settings)):
@@ -446,11 +460,40 @@ def test_env_names_are_settings_the_components_read(rendered) -> None:
 
 def test_network_policies_allow_only_what_is_used(rendered) -> None:
     policies = by_kind(rendered[("defaults", "1.37.0")], "NetworkPolicy")
-    for name, ingress_ports in (("operator", {"metrics", "health"}), ("controlplane", {"http"})):
+    for name, ingress_ports, egress_ports in (
+        ("operator", {"metrics", "health"}, {53, 443, 6443, 8000}),
+        ("controlplane", {"http"}, {53, 443, 6443}),
+    ):
         spec = policies[f"mf-modelfleet-{name}"]["spec"]
         assert spec["policyTypes"] == ["Ingress", "Egress"]
         assert {p["port"] for rule in spec["ingress"] for p in rule["ports"]} == ingress_ports
-        assert {p["port"] for rule in spec["egress"] for p in rule["ports"]} == {53, 443, 6443}
+        assert {p["port"] for rule in spec["egress"] for p in rule["ports"]} == egress_ports
+    # The operator reaches only the data-plane pods it made (rollouts read their /metrics), on their port.
+    operator_egress = policies["mf-modelfleet-operator"]["spec"]["egress"]
+    to_pods = [rule for rule in operator_egress if "to" in rule]
+    assert to_pods == [
+        {
+            "to": [{"podSelector": {"matchLabels": DATAPLANE_POD_LABELS}, "namespaceSelector": {}}],
+            "ports": [{"port": 8000, "protocol": "TCP"}],
+        }
+    ]
+    template = serving.deployment(EXAMPLE_MODEL, EXAMPLE_SPEC, OperatorSettings())["spec"]["template"]
+    assert DATAPLANE_POD_LABELS.items() <= template["metadata"]["labels"].items()
+    assert template["spec"]["containers"][0]["ports"][0]["containerPort"] == 8000
+    (namespaced,) = [
+        rule
+        for rule in by_kind(rendered[("custom-images", "1.37.0")], "NetworkPolicy")["mf-modelfleet-operator"][
+            "spec"
+        ]["egress"]
+        if "to" in rule
+    ]
+    assert namespaced["to"][0]["namespaceSelector"] == {
+        "matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}
+        ]
+    }
+    moved = by_kind(render({"dataplane": {"port": 9000}}), "NetworkPolicy")["mf-modelfleet-operator"]
+    assert [r["ports"] for r in moved["spec"]["egress"] if "to" in r] == [[{"port": 9000, "protocol": "TCP"}]]
     restricted = render(
         {"networkPolicy": {"controlPlaneFrom": [{"podSelector": {"matchLabels": {"a": "b"}}}]}}
     )
