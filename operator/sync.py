@@ -224,6 +224,7 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
         endpoint=endpoint(im, ctx.settings),
         old_status=im.get("status"),
         now=ctx.clock(),
+        rollout=old_rollout if rollout.is_current(model.spec, old_rollout) else None,
     )
     if old_rollout is not None:  # kept while spec.rollout is set; dropped (and forgotten) without it
         status["rollout"] = old_rollout

@@ -3,7 +3,8 @@
 Conditions:
 - Ready: pods are ready and some version takes traffic (reasons: Serving, VersionNotReady,
   NoArtifactForHardware, VersionNotFound, QuotaExceeded, PodsNotReady, InvalidSpec).
-- Progressing: versions are converting or pods are rolling out (Converting, RollingOut, Stable).
+- Progressing: versions are converting, pods are rolling out or a canary runs (Converting, RollingOut,
+  CanaryProgressing, CanaryPaused, Stable).
 - Degraded: part of the requested traffic cannot be served, or quota blocks pods (reason of the first
   problem, or AsExpected).
 """
@@ -55,7 +56,9 @@ def model_status(
     endpoint: str,
     old_status: dict[str, Any] | None,
     now: str,
+    rollout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`rollout`: status.rollout of the rollout spec.rollout asks for (None when there is none)."""
     ready_replicas, desired_replicas, rolled_out = _rollout(deploy)
     serving = [p for p in planned if p.weight > 0]
     unservable = [p for p in planned if p.reason != "Servable" and p.desired_weight > 0]
@@ -85,6 +88,10 @@ def model_status(
     elif deploy is not None and not rolled_out:
         text = f"{ready_replicas}/{desired_replicas} data-plane pods ready"
         progressing = condition("Progressing", True, "RollingOut", text, generation)
+    elif rollout and rollout.get("phase") in ("Progressing", "Paused"):
+        reason = "CanaryProgressing" if rollout["phase"] == "Progressing" else "CanaryPaused"
+        text = f"rollout of {rollout.get('candidate')}: {rollout.get('message') or 'starting'}"
+        progressing = condition("Progressing", True, reason, text[:32768], generation)
     else:
         progressing = condition("Progressing", False, "Stable", "nothing in progress", generation)
 

@@ -498,3 +498,19 @@ async def test_a_rollout_without_reachable_pods_pauses(kmock, cluster, memo, eve
     assert "no data-plane pod of chat answered /metrics" in rollout_status["message"]
     assert rollout_events(events)[-1] == ("Warning", "RolloutPaused")
     assert await served_weights(kmock) == {"v1": 90, "v2": 10}
+
+
+async def test_a_running_canary_is_reported_in_the_progressing_condition(
+    kmock, cluster, memo, metrics_server
+):
+    clock = ["2026-01-01T10:00:00Z"]
+    await rollout_cluster(kmock, cluster, memo, metrics_server, clock)
+    deployment = await obj(kmock, DEPLOYMENTS, "chat")  # its pods are all up
+    deployment["metadata"]["generation"] = 1
+    deployment["status"] = {"observedGeneration": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    kmock.objects[DEPLOYMENTS, NS, "chat"] = deployment
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    status = (await obj(kmock, IM, "chat"))["status"]
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("True", "CanaryProgressing")
+    assert progressing["message"].startswith("rollout of v2: step 1/3: v1=90,v2=10")
