@@ -4,7 +4,7 @@ Plain Python, no torch. One step mixes decodes and prefill chunks under a token 
 sequences go first, in priority order (lower value first, then first come first served); when the KV
 cache runs out, the last of them (lowest priority, newest) is preempted: its blocks are freed and it is
 recomputed later from its tokens. Waiting requests are admitted in the same order while budget, sequence
-slots and blocks last.
+slots and blocks last; a waiting request that finds no blocks preempts running ones of lower priority.
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._make_room_for_priority(out)
 
         # Running sequences: decodes and the remaining chunks of their prompts.
+        preempted_for_running = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -88,6 +90,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
+                preempted_for_running = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -98,7 +101,7 @@ class Scheduler:
 
         # Waiting requests, unless this step already had to free blocks.
         while (
-            not out.preempted_request_ids
+            not preempted_for_running
             and self.waiting
             and budget > 0
             and len(self.running) < self.max_num_seqs
@@ -160,6 +163,23 @@ class Scheduler:
         seq.error = error
         seq.finished_time = time.monotonic()
         return seq
+
+    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+        """Before anything is planned: if the first waiting request cannot get blocks for its first
+        chunk, preempt running requests of strictly lower priority (higher value), the newest first."""
+        if not self.waiting or not self.running:
+            return
+        head = self.waiting[0]
+        first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+        blocks_needed = -(-first_chunk // self.block_manager.block_size)
+        while (
+            self.block_manager.num_free_blocks < blocks_needed
+            and self.running
+            and self.running[-1].priority > head.priority
+        ):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

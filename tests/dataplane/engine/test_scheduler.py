@@ -196,3 +196,31 @@ def test_duplicate_request_id_is_refused():
         assert "request_id" in str(err)
     else:
         raise AssertionError("duplicate request id accepted")
+
+
+def test_a_higher_priority_arrival_preempts_lower_priority_requests_for_blocks():
+    sched = make_scheduler(num_blocks=4, prefix=False)
+    # Two blocks each, with room left in them for the next decodes.
+    low_old = add(sched, "low-old", 6, priority=1)
+    low_new = add(sched, "low-new", 6, priority=1, first=100)
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 0
+    urgent = add(sched, "urgent", 4, priority=0, first=200)
+    out = step(sched)
+    # The newest of the lower-priority requests makes room; the older one keeps running.
+    assert out.preempted_request_ids == ["low-new"]
+    assert low_new.status is SequenceStatus.PREEMPTED and low_new.block_ids == []
+    assert plan(out)[-1] == ("urgent", 0, 4)
+    assert urgent.block_ids == [2]
+    assert low_old.status is SequenceStatus.RUNNING
+
+
+def test_equal_priority_arrival_waits_instead_of_preempting():
+    sched = make_scheduler(num_blocks=4, prefix=False)
+    add(sched, "a", 6)
+    add(sched, "b", 6, first=100)
+    step(sched)
+    add(sched, "c", 4, first=200)
+    out = step(sched)
+    assert out.preempted_request_ids == []
+    assert [rid for rid, *_ in plan(out)] == ["a", "b"]
