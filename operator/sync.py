@@ -298,7 +298,8 @@ def step_rollout(ctx: Context, im: dict[str, Any]) -> rollout.Decision | None:
             return None
         raise  # 409: another writer moved first; the next tick reads its result
     latest["status"] = status
-    if decision.event is not None:
+    repeated_pause = decision.action == "pause" and (state or {}).get("phase") == "Paused"
+    if decision.event is not None and not repeated_pause:  # one RolloutPaused per pause, not per tick
         ctx.event(latest, *decision.event)
     if decision.traffic != (state or {}).get("traffic"):
         reconcile_model(ctx, latest)

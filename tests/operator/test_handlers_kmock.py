@@ -498,6 +498,9 @@ async def test_a_rollout_without_reachable_pods_pauses(kmock, cluster, memo, eve
     assert "no data-plane pod of chat answered /metrics" in rollout_status["message"]
     assert rollout_events(events)[-1] == ("Warning", "RolloutPaused")
     assert await served_weights(kmock) == {"v1": 90, "v2": 10}
+    clock[0] = "2026-01-01T10:01:10Z"
+    await call(handlers.rollout_tick, await obj(kmock, IM, "chat"), memo)
+    assert [e for e in rollout_events(events) if e[1] == "RolloutPaused"] == [("Warning", "RolloutPaused")]
 
 
 async def test_a_running_canary_is_reported_in_the_progressing_condition(
