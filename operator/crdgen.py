@@ -208,6 +208,8 @@ def inference_model_crd() -> dict[str, Any]:
             {"name": "Traffic", "type": "string", "jsonPath": ".status.traffic"},
             {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
             {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+            # -o wide only: most models run no rollout.
+            {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.phase", "priority": 1},
         ],
     )
 

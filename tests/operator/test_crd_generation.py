@@ -104,7 +104,7 @@ def test_names_status_subresource_and_printer_columns(crd_files):
         assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
         assert version["subresources"] == {"status": {}}
     columns = lambda crd: [c["name"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]]  # noqa: E731
-    assert columns(im) == ["Accelerator", "Traffic", "Ready", "Endpoint", "Age"]
+    assert columns(im) == ["Accelerator", "Traffic", "Ready", "Endpoint", "Rollout", "Age"]
     assert columns(mv) == ["Model", "Version", "Phase", "Age"]
 
 
