@@ -115,3 +115,28 @@ async def _every(kmock, resource: str, names: list[str]):
 async def _traffic(kmock, expected: str):
     status = ((await obj(kmock, IM, "chat")) or {}).get("status") or {}
     return status.get("traffic") == expected or None
+
+
+async def test_kopf_starts_a_rollout_through_the_timer_and_its_filter(emulated_cluster):
+    """The rollout timer's registration and `when` filter, with kopf's own keyword arguments: a model
+    with spec.rollout gets status.rollout on the timer's first tick (no pods run here: no metrics yet)."""
+    kmock = emulated_cluster
+    model = (await obj(kmock, IM, "chat")) or {}
+    model["spec"]["rollout"] = {"candidate": "v2", "steps": [30, 100]}
+    kmock.objects[IM, NS, "chat"] = model
+    stop = asyncio.Event()
+    task = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True, stop_flag=stop))
+    try:
+
+        async def started():
+            status = ((await obj(kmock, IM, "chat")) or {}).get("status") or {}
+            return status.get("rollout") if status.get("rollout", {}).get("phase") else None
+
+        state = await eventually(started)
+        assert state, "the rollout timer never ran"
+        assert state["phase"] == "Progressing" and state["step"] == 0
+        assert state["traffic"] == [{"version": "v1", "weight": 70}, {"version": "v2", "weight": 30}]
+        assert "no running data-plane pod of chat" in state["message"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=30)
