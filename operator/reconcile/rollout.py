@@ -196,6 +196,12 @@ def _judge(
         )
         return Decision("wait", {**judged, "message": text[:1024]}, text)
 
+    if rollout.thresholds.max_p95_latency_ms is not None and candidate.p95_seconds is None:
+        text = (
+            f"step {_step(step, rollout)}: {rollout.candidate} has no latency observations to compare with "
+            "maxP95LatencyMs (no request reached generation); waiting for some before judging"
+        )
+        return Decision("wait", {**judged, "message": text[:1024]}, text)
     breaches = _breaches(candidate, rollout)
     if breaches:
         restored = split_with(spec, 0)

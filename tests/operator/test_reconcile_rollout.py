@@ -245,3 +245,11 @@ def test_a_sample_round_trips_through_status():
         {"le": "+Inf", "count": 3.0},
     ]
     assert sample_from_status(stored) == sample
+
+
+def test_a_latency_threshold_is_never_passed_without_latency_observations():
+    s = spec({"v1": 100, "v2": 0}, thresholds={"maxP95LatencyMs": 2000})
+    rejected = {"v2": VersionWindow("v2", {"400": 50})}  # answered, but none reached generation
+    decision = rollout.decide(s, started(s), T0 + dt.timedelta(minutes=5), rollout.Observed(LATER, rejected))
+    assert decision.action == "wait" and decision.state["step"] == 0
+    assert "no latency observations" in decision.message
