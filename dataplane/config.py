@@ -29,6 +29,8 @@ class EngineConfig:
     # None: the best device present (see modelfleet.dataplane.device).
     device: str | None = None
     seed: int = 0
+    # True: no CUDA graphs; decode steps run the model eagerly (for debugging, or to save graph memory).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -51,6 +53,8 @@ class EngineConfig:
                 f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} is outside (0, 1]; "
                 "use e.g. 0.9 for 90% of free device memory"
             )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: {self.enforce_eager!r} must be true or false")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

@@ -6,6 +6,7 @@ after loading the weights (accelerators); nothing is allocated per token.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -78,6 +79,27 @@ class ModelRunner:
             budget / 2**20,
         )
         self.sampler = Sampler(self.device, seed=config.seed)
+        self.decode_graphs = self._capture_decode_graphs(config)
+
+    def _capture_decode_graphs(self, config: EngineConfig):
+        """CUDA graphs for decode steps of up to max_num_seqs sequences; None off CUDA or with
+        enforce_eager (then every step runs the model eagerly)."""
+        if self.device.type != "cuda" or config.enforce_eager:
+            return None
+        from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
+
+        runner = model_decode_runner(
+            self.model,
+            self.kv_caches,
+            max_batch_size=config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            enabled=True,
+        )
+        if not runner.enabled:  # e.g. an attention backend that reads device data on the host
+            return None
+        with torch.inference_mode():
+            runner.capture()
+        return runner
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -94,8 +116,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        from modelfleet.dataplane.attention import AttentionMetadata
-
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -105,48 +125,105 @@ class ModelRunner:
         np.cumsum(query_lens, out=cu_query[1:])
         num_tokens = int(cu_query[-1])
 
-        input_ids: list[int] = []
-        for s in scheduled:
-            input_ids.extend(
-                s.seq.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+        if num_tokens == num_seqs:  # one token per sequence: decode steps (and 1-token prefills)
+            input_ids = np.fromiter(
+                (s.seq.token_ids[s.num_computed_tokens] for s in scheduled), dtype=np.int64, count=num_seqs
             )
-        # Position of each token: its index in the flat batch, shifted to where its sequence starts.
-        seq_index = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]
+            positions = starts
+            seq_index = np.arange(num_seqs)
+        else:
+            input_ids = np.fromiter(
+                itertools.chain.from_iterable(
+                    s.seq.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
+                    for s in scheduled
+                ),
+                dtype=np.int64,
+                count=num_tokens,
+            )
+            # Position of each token: its index in the flat batch, shifted to where its sequence starts.
+            seq_index = np.repeat(np.arange(num_seqs), query_lens)
+            positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]
 
-        max_blocks = max(len(s.seq.block_ids) for s in scheduled)
+        block_lists = [s.seq.block_ids for s in scheduled]
+        max_blocks = max(map(len, block_lists))
         block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, s in enumerate(scheduled):
-            ids = s.seq.block_ids
+        for i, ids in enumerate(block_lists):
             block_tables[i, : len(ids)] = ids
         bs = self.block_size
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and num_tokens == num_seqs
+            and num_seqs <= graphs.max_batch
+            and max_blocks <= graphs.buffers["block_tables"].shape[1]
+        ):
+            # Host arrays go through the runner's pinned buffers: no host sync before the replay.
+            hidden = graphs.run(
+                {
+                    "input_ids": input_ids,
+                    "positions": positions,
+                    "slot_mapping": slot_mapping,
+                    "seq_lens": seq_lens.astype(np.int32),
+                    "block_tables": block_tables,
+                },
+                batch_size=num_seqs,
+            )
+        else:
+            hidden = self._forward_eager(
+                input_ids, positions, slot_mapping, cu_query, seq_lens, block_tables, query_lens
+            )
+        return self._sample(out, hidden, cu_query)
+
+    def _forward_eager(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        cu_query: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        query_lens: np.ndarray,
+    ) -> torch.Tensor:
+        from modelfleet.dataplane.attention import AttentionMetadata
+
         device = self.device
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            # From pageable memory a non-blocking copy is staged at once, without waiting for the device.
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
         metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(cu_query.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            block_tables=torch.from_numpy(block_tables).to(device),
+            slot_mapping=to_device(slot_mapping),
+            query_start_loc=to_device(cu_query.astype(np.int32)),
+            seq_lens=to_device(seq_lens.astype(np.int32)),
+            block_tables=to_device(block_tables),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.from_numpy(positions).to(device),
-            self.kv_caches,
-            metadata,
-        )
+        return self.model(to_device(input_ids), to_device(positions), self.kv_caches, metadata)
 
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, cu_query: np.ndarray) -> StepResult:
+        """Logits of each sampling sequence's last token, then the sampler. `hidden` may live in graph
+        memory: it is consumed here, before the next step."""
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
         token_ids: list[int | None] = [None] * num_seqs
         logprobs: list[dict[int, float] | None] = [None] * num_seqs
         errors: list[str | None] = [None] * num_seqs
         if not sampling_rows:
             return StepResult(token_ids, logprobs, errors)
-        last_token_index = torch.from_numpy(cu_query[1:][sampling_rows] - 1).to(device)
-        logits = self.model.compute_logits(hidden[last_token_index])
+        if len(sampling_rows) == num_seqs and hidden.shape[0] == num_seqs:
+            last_hidden = hidden  # decode: every row is its sequence's last token
+        else:
+            index = torch.from_numpy(cu_query[1:][sampling_rows] - 1)
+            last_hidden = hidden[index.to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(last_hidden)
         sampled = self.sampler(logits, [scheduled[i].seq for i in sampling_rows])
+        if len(sampling_rows) == num_seqs:
+            return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors)
         for row, i in enumerate(sampling_rows):
             token_ids[i] = sampled.token_ids[row]
             logprobs[i] = sampled.logprobs[row]

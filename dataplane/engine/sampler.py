@@ -34,12 +34,10 @@ class Sampler:
         """logits: float32 [N, vocab], row i for seqs[i]."""
         num_rows = logits.shape[0]
         params = [s.params for s in seqs]
-        errors: list[str | None] = [None] * num_rows
+        # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
+        # Whether any row is bad is read back together with the tokens: one transfer per step.
         bad_rows = torch.isnan(logits).any(dim=1)
-        if bool(bad_rows.any()):
-            for i in bad_rows.nonzero().flatten().tolist():
-                errors[i] = "the model produced NaN logits"
-            logits = logits.masked_fill(bad_rows.unsqueeze(1), 0.0)
+        logits = logits.masked_fill(bad_rows.unsqueeze(1), 0.0)
 
         # Log-probabilities are reported for the model's own distribution, before any sampling setting.
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
@@ -51,7 +49,8 @@ class Sampler:
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
 
-        token_list = token_ids.tolist()
+        token_list, bad_list = torch.stack([token_ids, bad_rows.to(token_ids.dtype)]).tolist()
+        errors: list[str | None] = ["the model produced NaN logits" if bad else None for bad in bad_list]
         logprob_dicts: list[dict[int, float] | None] = [None] * num_rows
         if raw_logprobs is not None:
             logprob_dicts = _gather_logprobs(raw_logprobs, token_ids, params, num_logprobs)
@@ -60,14 +59,17 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.params for s in seqs]
         device = logits.device
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)])
-        logits = logits / temperature.to(device=device, dtype=logits.dtype).unsqueeze(1)
+        temperature = torch.tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], dtype=logits.dtype
+        )
+        # Host lists reach the device with non-blocking copies (staged at once): no wait on the device.
+        logits = logits / temperature.to(device, non_blocking=True).unsqueeze(1)
 
         if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
             logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(device, non_blocking=True)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
 
@@ -79,7 +81,7 @@ class Sampler:
                 noise[i].exponential_(generator=_request_generator(seq, device))
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            greedy_mask = torch.tensor(greedy, device=device)
+            greedy_mask = torch.tensor(greedy).to(device, non_blocking=True)
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled
 
@@ -110,10 +112,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k_enabled else vocab for p in params], device=device)
+    top_k = torch.tensor([p.top_k if p.top_k_enabled else vocab for p in params]).to(
+        device, non_blocking=True
+    )
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     remove = ranks >= top_k.unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype).to(device, non_blocking=True)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -1,0 +1,69 @@
+"""Decode steps under CUDA graphs give the eager engine's tokens; the CPU path never builds graphs."""
+
+import pytest
+import torch
+
+
+def tiny_llama(out_dir):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    return out_dir
+
+
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in (1, 7, 40, 90, 17)]
+
+
+def test_cpu_runner_has_no_graphs(tmp_path):
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    llm = LLM(tiny_llama(tmp_path / "llama"), device="cpu", dtype="float32", max_num_seqs=4)
+    assert llm.engine.runner.decode_graphs is None
+    out = llm.generate(prompts()[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [3, 3]
+
+
+def test_enforce_eager_must_be_a_bool(tmp_path):
+    from modelfleet.dataplane import EngineConfig
+
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(model=str(tmp_path), enforce_eager="yes")
+
+
+@pytest.mark.gpu
+def test_graph_decode_matches_eager_on_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    model_dir = tiny_llama(tmp_path / "llama")
+    # 5 prompts over max_num_seqs 3: batches 1..3 replay padded graphs, prefills run eagerly
+    settings = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    graphs = LLM(model_dir, **settings)
+    runner = graphs.engine.runner
+    assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 3]
+    replays = 0
+    run = runner.decode_graphs.run
+
+    def counting_run(*args, **kwargs):
+        nonlocal replays
+        replays += 1
+        return run(*args, **kwargs)
+
+    runner.decode_graphs.run = counting_run
+    got = [o.token_ids for o in graphs.generate(prompts(), greedy)]
+    got_seeded = [o.token_ids for o in graphs.generate(prompts(), seeded)]
+    assert replays > 20
+    eager = LLM(model_dir, enforce_eager=True, **settings)
+    assert eager.engine.runner.decode_graphs is None
+    assert got == [o.token_ids for o in eager.generate(prompts(), greedy)]
+    assert got_seeded == [o.token_ids for o in eager.generate(prompts(), seeded)]
