@@ -8,7 +8,12 @@ line with tokens/s of both and the ratio.
     python bench/throughput.py --model DIR --num-prompts 64 --input-len 512 --min-input-len 16 \\
         --output-len 256 --min-output-len 16
     python bench/throughput.py --model DIR --num-prompts 64 --input-len 128 --output-len 128
+    python bench/throughput.py --device cuda --preset llama-3.2-1b --num-prompts 1000 \\
+        --input-len 128 --output-len 128
 
+On a GPU, --preset builds a random-weight bf16 checkpoint of a real model's shape in a temporary folder
+(no tokenizer: the prompts are token ids), and the JSON adds the decode roofline: per pure-decode step,
+(weight bytes + KV bytes read) / measured copy bandwidth, summed, over the measured step times summed.
 Lengths: fixed by default; uniform in [min, len] with --min-*-len, or in [len*(1-r), len*(1+r)] with
 --random-range-ratio r (vLLM's convention).
 """
@@ -16,14 +21,132 @@ Lengths: fixed by default; uniform in [min, len] with --min-*-len, or in [len*(1
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+# Real shapes (config.json of the published checkpoints); weights are random.
+PRESETS: dict[str, dict] = {
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    ),
+}  # fmt: skip
+
+
+def build_preset(name: str, out_dir: str | Path, device: str) -> str:
+    """A random-weight bf16 Llama checkpoint of a preset's shape (safetensors), built on `device`."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
+        eos_token_id=128001, initializer_range=0.02, **PRESETS[name],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return str(out_dir)
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy of a large buffer, bytes read + written per second (median of 20)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / float(np.median(times[5:])) / 1e9
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads: every parameter once, except an untied input embedding
+    (a step reads only its tokens' rows)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if not tied:
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                total -= p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    mc = model.config
+    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class DecodeStepTimer:
+    """Times every engine step and notes which were pure decode steps (one token per sequence), with
+    their batch size and the KV tokens they read. A step ends with the sampled tokens on the host, so
+    wall-clock time between step calls is device time plus host time."""
+
+    def __init__(self, llm) -> None:
+        self.steps: list[tuple[bool, int, int, float]] = []  # (decode, batch, kv tokens, seconds)
+        self._last: tuple[bool, int, int] | None = None
+        engine, runner = llm.engine, llm.engine.runner
+        execute, step = runner.execute, engine.step
+
+        def timed_execute(out):
+            items = out.scheduled
+            decode = all(s.num_new_tokens == 1 for s in items)
+            kv_tokens = sum(s.num_computed_tokens + s.num_new_tokens for s in items)
+            self._last = (decode, len(items), kv_tokens)
+            return execute(out)
+
+        def timed_step():
+            self._last = None
+            start = time.perf_counter()
+            result = step()
+            if self._last is not None:
+                self.steps.append((*self._last, time.perf_counter() - start))
+            return result
+
+        runner.execute, engine.step = timed_execute, timed_step
+
+    def roofline(self, weight_bytes: int, kv_token_bytes: int, bandwidth_gbps: float) -> dict:
+        decode = [s for s in self.steps if s[0]]
+        if not decode:
+            return {}
+        measured = sum(s[3] for s in decode)
+        ideal = sum((weight_bytes + kv * kv_token_bytes) / (bandwidth_gbps * 1e9) for _, _, kv, _ in decode)
+        tokens = sum(s[1] for s in decode)
+        return {
+            "decode_steps": len(decode),
+            "decode_mean_batch": round(tokens / len(decode), 1),
+            "decode_mean_step_ms": round(1e3 * measured / len(decode), 3),
+            "decode_tokens_per_s": round(tokens / measured, 1),
+            "decode_roofline_tokens_per_s": round(tokens / ideal, 1),
+            "decode_pct_of_roofline": round(100 * ideal / measured, 1),
+            "decode_time_share_of_engine_steps": round(measured / sum(s[3] for s in self.steps), 3),
+        }
 
 
 def sample_lengths(
@@ -51,26 +174,51 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     ]
 
 
-def run_engine(args: argparse.Namespace, requests: list[tuple[list[int], int]]) -> float:
-    from modelfleet.dataplane import LLM, SamplingParams
-
-    llm = LLM(
-        args.model,
+def engine_settings(args: argparse.Namespace) -> dict:
+    settings = dict(
         dtype=args.dtype,
-        device="cpu",
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=args.kv_cache_bytes,
         enable_prefix_caching=False,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
+    if args.device == "cpu":
+        settings["kv_cache_bytes"] = args.kv_cache_bytes
+    if args.max_model_len is not None:
+        settings["max_model_len"] = args.max_model_len
+    return settings
+
+
+def run_engine(args: argparse.Namespace, requests: list[tuple[list[int], int]], result: dict) -> float:
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(args.model, **engine_settings(args))
+    result["engine_start_s"] = round(time.perf_counter() - start, 1)
     prompts = [p for p, _ in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for _, n in requests]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
+    timer = DecodeStepTimer(llm) if args.device != "cpu" else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert [len(o.token_ids) for o in outputs] == [n for _, n in requests]
+    if timer is not None:
+        model = llm.engine.runner.model
+        bandwidth = result["copy_bandwidth_gbps"]
+        weights = weight_bytes_per_step(model)
+        result["weight_bytes_per_step"] = weights
+        result["roofline"] = timer.roofline(
+            weights, kv_bytes_per_token(model, llm.engine.runner.dtype), bandwidth
+        )
+        result["device_name"] = torch.cuda.get_device_name()
+        result["cuda_graphs"] = llm.engine.runner.decode_graphs is not None
+    del llm, outputs, timer
+    gc.collect()  # the engine's memory (weights, KV cache, graphs) goes back before the baseline loads
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return elapsed
 
 
@@ -78,12 +226,14 @@ def run_hf(args: argparse.Namespace, requests: list[tuple[list[int], int]]) -> f
     from modelfleet.dataplane.engine.model_runner import resolve_dtype
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
     model.generation_config.eos_token_id = None
     pad_id = model.config.pad_token_id or 0
     with torch.inference_mode():
-        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=True, pad_token_id=pad_id)
+        warm = torch.tensor([[1, 2, 3]], device=device)
+        model.generate(warm, max_new_tokens=2, do_sample=True, pad_token_id=pad_id)
     start = time.perf_counter()
     for i in range(0, len(requests), args.hf_batch_size):
         batch = requests[i : i + args.hf_batch_size]
@@ -95,13 +245,15 @@ def run_hf(args: argparse.Namespace, requests: list[tuple[list[int], int]]) -> f
             mask[row, width - len(prompt) :] = 1
         with torch.inference_mode():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 do_sample=True,
                 top_k=0,
                 max_new_tokens=max(n for _, n in batch),
                 pad_token_id=pad_id,
             )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -120,7 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="random-weight bf16 checkpoint of this shape"
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="engine max_model_len (a preset: the longest request)"
+    )
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--hf-num-prompts", type=int, default=None, help="run the baseline on the first N prompts only"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -134,14 +297,31 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="CPU threads for both (default: the engine's choice, used by both)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: 64 on the CPU, 256 on a GPU")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: 2048 on the CPU, 8192 on a GPU"
+    )
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=None, help="default: 16 on the CPU, 256 on a GPU"
+    )
     parser.add_argument("--skip-hf", action="store_true", help="time our engine only")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.model):
+    gpu = args.device != "cpu"
+    args.max_num_seqs = args.max_num_seqs or (256 if gpu else 64)
+    args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if gpu else 2048)
+    args.hf_batch_size = args.hf_batch_size or (256 if gpu else 16)
+    if gpu and not torch.cuda.is_available():
+        print(
+            "--device cuda: no CUDA GPU visible to torch; run on a GPU machine or use --device cpu",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.model is None) == (args.preset is None):
+        print("--model/--preset: give exactly one (a checkpoint folder or a preset shape)", file=sys.stderr)
+        return 2
+    if args.model is not None and not os.path.isdir(args.model):
         print(
             f"--model: {args.model} is not a directory; make one with `modelfleet demo create DIR`",
             file=sys.stderr,
@@ -153,25 +333,41 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
 
+    with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
+        if args.preset is not None:
+            args.model = build_preset(args.preset, tmp, args.device)
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     with open(os.path.join(args.model, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     requests = make_requests(args, vocab_size)
+    if args.preset is not None and args.max_model_len is None:
+        args.max_model_len = max(len(p) + n for p, n in requests)
     result: dict = {
         "benchmark": "throughput",
-        "model": args.model,
+        "model": args.preset or args.model,
+        "device": args.device,
         "num_prompts": args.num_prompts,
         "input_tokens": sum(len(p) for p, _ in requests),
         "output_tokens": sum(n for _, n in requests),
         "input_len_range": [min(len(p) for p, _ in requests), max(len(p) for p, _ in requests)],
         "output_len_range": [min(n for _, n in requests), max(n for _, n in requests)],
         "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
         "hf_batch_size": args.hf_batch_size,
     }
-    result["engine"] = rates(run_engine(args, requests), requests)
+    if args.device == "cuda":  # measured before the KV cache takes the free memory
+        result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
+    result["engine"] = rates(run_engine(args, requests, result), requests)
     # The baseline runs with the thread count the engine chose (or was given).
     result["threads"] = torch.get_num_threads()
     if not args.skip_hf:
-        result["hf"] = rates(run_hf(args, requests), requests)
+        hf_requests = requests[: args.hf_num_prompts] if args.hf_num_prompts else requests
+        result["hf_num_prompts"] = len(hf_requests)
+        # Each side is credited with the tokens of the prompts it ran.
+        result["hf"] = rates(run_hf(args, hf_requests), hf_requests)
         result["ratio_output_tokens_per_s"] = round(
             result["engine"]["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"], 2
         )

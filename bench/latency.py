@@ -1,0 +1,193 @@
+"""Batch-1 decode latency: our engine against Hugging Face `generate` in the same run, and the roofline.
+
+One prompt of --input-len random token ids, greedy, --output-len tokens (EOS ignored), repeated
+--repeats times after a warm-up. Ours: decode rate from the request's first-token and finish times.
+Hugging Face: (generate of N tokens) - (generate of 1 token), over N - 1 tokens; optionally again with
+its static cache (`--hf-static`: its decode is compiled). Roofline: one decode step must read every
+weight once plus the KV cache, at the measured copy bandwidth. Prints one JSON line.
+
+    python bench/latency.py --device cuda --preset llama-3.2-1b
+    python bench/latency.py --model DIR --input-len 32 --output-len 32      # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from throughput import PRESETS, build_preset, copy_bandwidth_gbps, kv_bytes_per_token, weight_bytes_per_step
+
+
+def run_engine(args: argparse.Namespace, prompt: list[int], result: dict) -> dict:
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=1,
+        max_model_len=len(prompt) + args.output_len,
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+    )
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
+    llm.generate([prompt], params)  # warm-up (kernel compilation, allocator)
+    rates, ttfts = [], []
+    for _ in range(args.repeats):
+        (out,) = llm.generate([prompt], params)
+        assert len(out.token_ids) == args.output_len
+        rates.append((args.output_len - 1) / (out.finished_time - out.first_token_time))
+        ttfts.append(out.first_token_time - out.arrival_time)
+    runner = llm.engine.runner
+    result["weight_bytes_per_step"] = weight_bytes_per_step(runner.model)
+    result["kv_bytes_per_token"] = kv_bytes_per_token(runner.model, runner.dtype)
+    result["cuda_graphs"] = runner.decode_graphs is not None
+    del llm, runner
+    free_memory(args.device)
+    return summary(rates, ttfts)
+
+
+def run_hf(args: argparse.Namespace, prompt: list[int], static: bool) -> dict:
+    from modelfleet.dataplane.engine.model_runner import resolve_dtype
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=resolve_dtype(args.dtype, device)).to(
+        device
+    )
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt], device=device)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def generate(n: int, model=model) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] == len(prompt) + n
+        return time.perf_counter() - start
+
+    for _ in range(2 if static else 1):  # warm-up (the static cache's compilation)
+        generate(args.output_len)
+    rates, ttfts = [], []
+    for _ in range(args.repeats):
+        first = generate(1)
+        full = generate(args.output_len)
+        rates.append((args.output_len - 1) / (full - first))
+        ttfts.append(first)
+    del model
+    free_memory(args.device)
+    return summary(rates, ttfts)
+
+
+def summary(rates: list[float], ttfts: list[float]) -> dict:
+    rate = statistics.median(rates)
+    return {
+        "decode_tokens_per_s": round(rate, 1),
+        "ms_per_token": round(1e3 / rate, 3),
+        "decode_tokens_per_s_runs": [round(r, 1) for r in rates],
+        "ttft_ms": round(1e3 * statistics.median(ttfts), 2),
+    }
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--hf-static", action="store_true", help="also run HF with its static (compiled) cache"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "--device cuda: no CUDA GPU visible to torch; run on a GPU machine or use --device cpu",
+            file=sys.stderr,
+        )
+        return 2
+    if (args.model is None) == (args.preset is None):
+        print("--model/--preset: give exactly one (a checkpoint folder or a preset shape)", file=sys.stderr)
+        return 2
+    if args.output_len < 2:
+        print("--output-len: needs at least 2 tokens (a decode rate needs decode steps)", file=sys.stderr)
+        return 2
+    if args.model is not None and not os.path.isdir(args.model):
+        print(f"--model: {args.model} is not a directory", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
+        if args.preset is not None:
+            args.model = build_preset(args.preset, tmp, args.device)
+        print(json.dumps(run(args)))
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict:
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    prompt = np.random.default_rng(args.seed).integers(16, vocab_size, size=args.input_len).tolist()
+    result: dict = {
+        "benchmark": "latency",
+        "model": args.preset or args.model,
+        "device": args.device,
+        "batch_size": 1,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "dtype": args.dtype,
+    }
+    if args.device == "cuda":
+        result["device_name"] = torch.cuda.get_device_name()
+        result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
+    result["engine"] = run_engine(args, prompt, result)
+    if "copy_bandwidth_gbps" in result:
+        # a mean decode step reads every weight and the KV of the mean context
+        mean_context = args.input_len + args.output_len / 2
+        step_bytes = result["weight_bytes_per_step"] + mean_context * result["kv_bytes_per_token"]
+        roofline = result["copy_bandwidth_gbps"] * 1e9 / step_bytes
+        result["roofline_tokens_per_s"] = round(roofline, 1)
+        result["engine"]["pct_of_roofline"] = round(
+            100 * result["engine"]["decode_tokens_per_s"] / roofline, 1
+        )
+    if not args.skip_hf:
+        runs = {"hf": False, **({"hf_static": True} if args.hf_static else {})}
+        for name, static in runs.items():
+            result[name] = run_hf(args, prompt, static)
+            if "roofline_tokens_per_s" in result:
+                result[name]["pct_of_roofline"] = round(
+                    100 * result[name]["decode_tokens_per_s"] / result["roofline_tokens_per_s"], 1
+                )
+            result[f"ratio_vs_{name}"] = round(
+                result["engine"]["decode_tokens_per_s"] / result[name]["decode_tokens_per_s"], 2
+            )
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
