@@ -4,8 +4,6 @@ and the compact JSON summary the operator reads from the Job's termination messa
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from datetime import UTC, datetime
 from importlib import metadata
@@ -13,6 +11,7 @@ from pathlib import Path
 
 from modelfleet.converters.errors import BadInputError
 from modelfleet.converters.sources import folder_digest, to_pvc_uri
+from modelfleet.dataplane.atomic import replace_folder
 
 MANIFEST = "manifest.json"
 SUMMARY_LIMIT = 4096  # a container's termination message is cut at 4 KiB
@@ -65,13 +64,7 @@ def publish(staging: Path, out: Path) -> None:
     staging.chmod(0o755)
     for path in staging.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
-    if out.is_dir():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(out)
+    replace_folder(staging, out)
 
 
 def artifact_uri(out: Path) -> str:

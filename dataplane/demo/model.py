@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from modelfleet.dataplane.atomic import replace_folder
 from modelfleet.dataplane.demo.tokenizer import BOS, EOS, IM_END, PAD, build_tokenizer, write_tokenizer_files
 from safetensors.torch import save_file
 
@@ -121,17 +121,6 @@ def _check_destination(out: Path, force: bool) -> None:
         raise FileExistsError(f"{out} is not empty; choose an empty folder or pass force=True (--force)")
 
 
-def _publish(staging: Path, out: Path) -> None:
-    """Put the complete staging folder in place of `out` with renames, so `out` is never half written."""
-    if out.is_dir():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        staging.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(out)
-
-
 def create_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0, force: bool = False) -> Path:
     """Write a random-weight Llama checkpoint with its tokenizer into out_dir and return the folder.
 
@@ -165,7 +154,7 @@ def create_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
         staging.chmod(0o755)
         for path in staging.iterdir():
             path.chmod(0o644)
-        _publish(staging, out)
+        replace_folder(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
