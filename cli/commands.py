@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+import modelfleet.cli
 from modelfleet.cli import __version__
 
 # subcommand -> module that defines `add_parser(subparsers)`; each sets `func` on its parser.
@@ -24,7 +25,7 @@ SUBCOMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="modelfleet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="modelfleet", description=modelfleet.cli.__doc__)
     parser.add_argument("--version", action="version", version=f"modelfleet {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS.values():
