@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="Hugging Face checkpoint folder")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--preset-dir", default=None, help="build the preset here and keep it (reused if present)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
         if args.preset is not None:
-            args.model = build_preset(args.preset, tmp, args.device)
+            args.model = build_preset(args.preset, args.preset_dir or tmp, args.device)
         print(json.dumps(run(args)))
     return 0
 

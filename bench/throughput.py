@@ -53,9 +53,12 @@ PRESETS: dict[str, dict] = {
 
 
 def build_preset(name: str, out_dir: str | Path, device: str) -> str:
-    """A random-weight bf16 Llama checkpoint of a preset's shape (safetensors), built on `device`."""
+    """A random-weight bf16 Llama checkpoint of a preset's shape (safetensors), built on `device`; an
+    out_dir that already holds one (config.json) is reused."""
     import transformers
 
+    if (Path(out_dir) / "config.json").is_file():
+        return str(out_dir)
     config = transformers.LlamaConfig(
         vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
         eos_token_id=128001, initializer_range=0.02, **PRESETS[name],
@@ -106,13 +109,17 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 class DecodeStepTimer:
     """Times every engine step and notes which were pure decode steps (one token per sequence), with
     their batch size and the KV tokens they read. A step ends with the sampled tokens on the host, so
-    wall-clock time between step calls is device time plus host time."""
+    wall-clock time between step calls is device time plus host time. For graph-replayed steps it also
+    splits off the host's share: from the step's start until the graph is launched, and from the
+    sampled tokens' arrival on the host until the step returns (the GPU idles in both)."""
 
     def __init__(self, llm) -> None:
         self.steps: list[tuple[bool, int, int, float]] = []  # (decode, batch, kv tokens, seconds)
+        self.host_s: list[float] = []  # per graph-replayed step: host time before launch + after sampling
         self._last: tuple[bool, int, int] | None = None
+        self._marks: dict[str, float] = {}
         engine, runner = llm.engine, llm.engine.runner
-        execute, step = runner.execute, engine.step
+        execute, step, sampler = runner.execute, engine.step, runner.sampler
 
         def timed_execute(out):
             items = out.scheduled
@@ -121,15 +128,34 @@ class DecodeStepTimer:
             self._last = (decode, len(items), kv_tokens)
             return execute(out)
 
-        def timed_step():
-            self._last = None
-            start = time.perf_counter()
-            result = step()
-            if self._last is not None:
-                self.steps.append((*self._last, time.perf_counter() - start))
+        def timed_sampler(*args, **kwargs):
+            result = sampler(*args, **kwargs)
+            self._marks["sampled"] = time.perf_counter()
             return result
 
-        runner.execute, engine.step = timed_execute, timed_step
+        def timed_step():
+            self._last = None
+            self._marks.clear()
+            start = time.perf_counter()
+            result = step()
+            end = time.perf_counter()
+            if self._last is not None:
+                self.steps.append((*self._last, end - start))
+                if "launched" in self._marks and "sampled" in self._marks:
+                    self.host_s.append(self._marks["launched"] - start + end - self._marks["sampled"])
+            return result
+
+        runner.execute, engine.step, runner.sampler = timed_execute, timed_step, timed_sampler
+        graphs = runner.decode_graphs
+        if graphs is not None:
+            run = graphs.run
+
+            def timed_run(*args, **kwargs):
+                hidden = run(*args, **kwargs)
+                self._marks["launched"] = time.perf_counter()
+                return hidden
+
+            graphs.run = timed_run
 
     def roofline(self, weight_bytes: int, kv_token_bytes: int, bandwidth_gbps: float) -> dict:
         decode = [s for s in self.steps if s[0]]
@@ -146,6 +172,10 @@ class DecodeStepTimer:
             "decode_roofline_tokens_per_s": round(tokens / ideal, 1),
             "decode_pct_of_roofline": round(100 * ideal / measured, 1),
             "decode_time_share_of_engine_steps": round(measured / sum(s[3] for s in self.steps), 3),
+            "graph_steps": len(self.host_s),
+            "graph_step_host_ms_median": round(1e3 * float(np.median(self.host_s)), 3)
+            if self.host_s
+            else None,
         }
 
 
@@ -278,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument(
+        "--preset-dir", default=None, help="build the preset here and keep it (reused if present)"
+    )
+    parser.add_argument(
         "--max-model-len", type=int, default=None, help="engine max_model_len (a preset: the longest request)"
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -335,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-preset-") as tmp:
         if args.preset is not None:
-            args.model = build_preset(args.preset, tmp, args.device)
+            args.model = build_preset(args.preset, args.preset_dir or tmp, args.device)
         return run(args)
 
 
