@@ -4,8 +4,9 @@ A step's sequences are split into a few groups of similar shape (decodes apart f
 then by length), so padding stays small. Each group is one padded computation: queries padded to
 [n, max_q], K/V gathered by whole blocks through the block tables (index_select) into [n, L, Hkv, D],
 one masked scaled_dot_product_attention. Grouped-query heads are folded into the query axis, so K/V
-are never repeated. The grouping, gather indices and masks are built once per step and shared by
-every layer (AttentionMetadata.backend_cache).
+are never repeated. Decode groups skip SDPA for two batched matmuls that read the gathered K/V in
+place (see TorchPagedAttention._decode_forward). The grouping, gather indices and masks are built
+once per step and shared by every layer (AttentionMetadata.backend_cache).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from modelfleet.dataplane.attention.metadata import AttentionMetadata
 _CACHE_KEY = "torch_paged"
 # A group keeps growing while its useful work is at least this share of its padded work.
 _MIN_EFFICIENCY = 0.6
+# Decode multiplies every query head with every KV head (see _decode_forward): Hkv times the useful
+# arithmetic, which is cheaper than SDPA's strided reads only while Hkv is small.
+_MAX_KV_HEADS_FOR_DECODE_MATMUL = 8
 
 
 @dataclass
@@ -37,6 +41,7 @@ class _Group:
     seq_lens: torch.Tensor  # int64 [num_seqs]
     masks: dict[tuple[int, int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     kv_buffers: torch.Tensor | None = None  # [2, n * num_blocks, block_size * Hkv * D], see gather()
+    query_blocks: torch.Tensor | None = None  # [n, Hkv, D, Hkv, G], see _decode_forward()
 
     def gather(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V blocks of the group, [n * num_blocks, block_size * Hkv * D] each.
@@ -205,6 +210,8 @@ class TorchPagedAttention(AttentionBackend):
             k, v = group.gather(kv_cache)
             k = k.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        if max_q == 1 and not use_new_kv and num_kv_heads <= _MAX_KV_HEADS_FOR_DECODE_MATMUL:
+            return self._decode_forward(group, query, k, v, scale, window)
         mask = group.mask(k.shape[2], window, heads_per_kv, query.dtype)
 
         if max_q == 1:  # decodes: one token per sequence, no padding
@@ -219,6 +226,44 @@ class TorchPagedAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out = out.view(n, num_kv_heads, heads_per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
         return out.reshape(n * max_q, num_heads, head_dim).index_select(0, group.pad_index)
+
+    @staticmethod
+    def _decode_forward(
+        group: _Group,
+        query: torch.Tensor,  # [n, Hq, D]
+        k: torch.Tensor,  # [n, Hkv, L, D], a transposed view of the gathered [n, L, Hkv, D]
+        v: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One query token per sequence, as two plain batched matmuls over the gathered K/V.
+
+        SDPA would read K/V through the strided [n, Hkv, L, D] view (or need a copy into that layout).
+        Instead the queries are laid out block-diagonally, [n, Hkv * D, Hq] with zeros where a query head
+        meets another group's KV head, so K/V are read once as contiguous [n, L, Hkv * D] matrices; the
+        zeros add exactly nothing. The softmax runs in float32; in bf16 the scores come out of the matmul
+        rounded to bf16 first, like Hugging Face's eager attention (SDPA keeps them in float32).
+        """
+        n, num_heads, head_dim = query.shape
+        num_kv_heads, kv_len = k.shape[1], k.shape[2]
+        heads_per_kv = num_heads // num_kv_heads
+        keys = k.transpose(1, 2).reshape(n, kv_len, num_kv_heads * head_dim)  # a view: no copy
+        values = v.transpose(1, 2).reshape(n, kv_len, num_kv_heads * head_dim)
+        blocks = group.query_blocks
+        shape = (n, num_kv_heads, head_dim, num_kv_heads, heads_per_kv)
+        if blocks is None or blocks.dtype != query.dtype or blocks.shape != shape:
+            # Off-diagonal blocks stay zero for the whole step; each layer rewrites only the diagonal.
+            blocks = query.new_zeros(shape)
+            group.query_blocks = blocks
+        q = query.view(n, num_kv_heads, heads_per_kv, head_dim)
+        torch.diagonal(blocks, dim1=1, dim2=3).copy_(q.permute(0, 3, 2, 1))  # [n, D, G, Hkv]
+        scores = torch.bmm(blocks.view(n, -1, num_heads).transpose(1, 2), keys.transpose(1, 2))
+        mask = group.mask(kv_len, window, 1, torch.float32).view(n, 1, kv_len)
+        probs = torch.softmax(scores.float().mul_(scale).add_(mask), dim=-1).to(values.dtype)
+        out = torch.bmm(probs, values).view(n, num_kv_heads, heads_per_kv, num_kv_heads, head_dim)
+        # Keep each query head's own KV head: the diagonal over the two Hkv axes, [n, G, D, Hkv].
+        out = torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2)
+        return out.reshape(n, num_heads, head_dim)
 
     @staticmethod
     def _pad(x: torch.Tensor, group: _Group) -> torch.Tensor:
