@@ -38,7 +38,7 @@ class LLM:
         checked = [self.engine.validate(p, sp) for p, sp in zip(prompt_list, param_list, strict=True)]
         request_ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
         for request_id, prompt, valid in zip(request_ids, prompt_list, checked, strict=True):
-            self.engine.add_request(request_id, prompt, validated=valid)
+            self.engine.add_request(request_id, prompt, validated=valid, stream=False)
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         while len(finished) < len(request_ids):

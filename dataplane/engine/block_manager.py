@@ -86,6 +86,14 @@ class BlockManager:
         prefix-cache hits `computed_block_ids`, which it then shares). False, changing nothing, if the
         free blocks do not suffice."""
         num_computed = seq.num_computed_tokens + len(computed_block_ids) * self.block_size
+        if not computed_block_ids:
+            # Fast path of most decode steps: the tokens fit the blocks held and fill none newly.
+            total = num_computed + num_new_tokens
+            if total <= len(seq.block_ids) * self.block_size and (
+                not self.enable_prefix_caching
+                or total // self.block_size <= self._num_registered.get(seq.request_id, 0)
+            ):
+                return True
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(seq.block_ids) - len(computed_block_ids)
         # A hit on a free block takes it out of the free pool too.

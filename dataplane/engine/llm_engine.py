@@ -13,7 +13,7 @@ from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
 from modelfleet.dataplane.engine.scheduler import Scheduler
-from modelfleet.dataplane.engine.sequence import Sequence
+from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,14 @@ class _RequestState:
     text: str = ""
     num_reported_tokens: int = 0
     logprobs: list[dict[int, float]] | None = field(default=None)
+    # False: no one reads this request's outputs before it finishes (LLM.generate), so steps build none,
+    # and its text is decoded once at the end unless stop strings need it every step.
+    stream: bool = True
+    # Whether each step detokenizes this request's new tokens.
+    detokenize_each_step: bool = True
+    # Output tokens fed to the detokenizer, and text it gave that no output has carried yet.
+    num_detokenized: int = 0
+    pending_text: str = ""
 
 
 class LLMEngine:
@@ -120,7 +128,9 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         validated: tuple[list[int], SamplingParams] | None = None,
+        stream: bool = True,
     ) -> None:
+        """`stream=False`: `step` returns this request's output only once it has finished."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: {priority!r} must be an integer (lower runs first)")
         if request_id in self._requests:
@@ -137,7 +147,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         self._requests[request_id] = _RequestState(
-            seq, detokenizer, logprobs=[] if params.logprobs is not None else None
+            seq,
+            detokenizer,
+            logprobs=[] if params.logprobs is not None else None,
+            stream=stream,
+            detokenize_each_step=stream or bool(params.stop),
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -146,7 +160,7 @@ class LLMEngine:
         state = self._requests.pop(request_id, None)
         if seq is None or state is None:
             return None
-        return self._make_output(state, [], "")
+        return self._take_output(state)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -160,41 +174,73 @@ class LLMEngine:
         result = self.runner.execute(scheduled)
 
         outputs: list[RequestOutput] = []
-        failed = []
-        for item, error in zip(scheduled.scheduled, result.errors, strict=True):
-            if error is not None:
-                failed.append((item.seq.request_id, error))
-        token_ids = [
-            None if e is not None else t for t, e in zip(result.token_ids, result.errors, strict=True)
-        ]
-        logprobs_by_id = {
-            item.seq.request_id: lp for item, lp in zip(scheduled.scheduled, result.logprobs, strict=True)
-        }
+        errors = result.errors
+        failed: list[tuple[str, str]] = []
+        token_ids = result.token_ids
+        if errors.count(None) != len(errors):
+            failed = [
+                (item.seq.request_id, e)
+                for item, e in zip(scheduled.scheduled, errors, strict=True)
+                if e is not None
+            ]
+            token_ids = [None if e is not None else t for t, e in zip(token_ids, errors, strict=True)]
+        logprobs_by_id = None
+        if result.logprobs.count(None) != len(result.logprobs):
+            logprobs_by_id = {
+                item.seq.request_id: lp for item, lp in zip(scheduled.scheduled, result.logprobs, strict=True)
+            }
+        requests = self._requests
         for seq in self.scheduler.update(scheduled, token_ids):
-            state = self._requests[seq.request_id]
+            state = requests[seq.request_id]
             if state.logprobs is not None:
-                state.logprobs.append(logprobs_by_id[seq.request_id] or {})
-            outputs.append(self._post_process(state))
+                state.logprobs.append((logprobs_by_id or {}).get(seq.request_id) or {})
+            output = self._post_process(state)
+            if output is not None:
+                outputs.append(output)
         for request_id, error in failed:
             self.scheduler.finish(request_id, "error", error=error)
-            state = self._requests.pop(request_id)
+            state = requests.pop(request_id)
             logger.warning("request %s failed: %s", request_id, error)
-            outputs.append(self._make_output(state, [], ""))
+            outputs.append(self._take_output(state))
         return outputs
 
-    def _post_process(self, state: _RequestState) -> RequestOutput:
+    def _post_process(self, state: _RequestState) -> RequestOutput | None:
+        """Detokenizes and checks stop strings; the output to hand back, or None for a request that
+        is not streamed and has not finished."""
         seq = state.seq
-        new_token_ids = seq.output_token_ids[state.num_reported_tokens :]
-        new_text, stopped = state.detokenizer.add_tokens(new_token_ids, finished=seq.is_finished)
-        if stopped:
-            if seq.is_finished:
+        finished = seq.status is SequenceStatus.FINISHED
+        if not (state.detokenize_each_step or finished):
+            return None
+        if self._detokenize(state, finished):
+            if finished:
                 seq.finish_reason = "stop"  # the stop string came with the last allowed token
             else:
                 self.scheduler.finish(seq.request_id, "stop")
-        output = self._make_output(state, new_token_ids, new_text)
-        if seq.is_finished:
+                finished = True
+        if not (state.stream or finished):
+            return None
+        output = self._take_output(state)
+        if finished:
             del self._requests[seq.request_id]
         return output
+
+    def _detokenize(self, state: _RequestState, finished: bool) -> bool:
+        """Feeds the tokens not yet detokenized; whether a stop string was found."""
+        output_token_ids = state.seq.output_token_ids
+        new_token_ids = output_token_ids[state.num_detokenized :]
+        state.num_detokenized = len(output_token_ids)
+        new_text, stopped = state.detokenizer.add_tokens(new_token_ids, finished=finished)
+        state.pending_text += new_text
+        return stopped
+
+    def _take_output(self, state: _RequestState) -> RequestOutput:
+        """The output carrying everything since the previous one. A request that was not detokenized
+        every step catches up first, as far as a streamed one would have got."""
+        if state.num_detokenized < state.seq.num_output_tokens:
+            self._detokenize(state, finished=False)
+        new_text, state.pending_text = state.pending_text, ""
+        # A slice: a fresh list that no later step changes.
+        return self._make_output(state, state.seq.output_token_ids[state.num_reported_tokens :], new_text)
 
     def _make_output(self, state: _RequestState, new_token_ids: list[int], new_text: str) -> RequestOutput:
         seq = state.seq
@@ -206,7 +252,7 @@ class LLMEngine:
             text=state.text,
             token_ids=list(seq.output_token_ids),
             new_text=new_text,
-            new_token_ids=list(new_token_ids),
+            new_token_ids=new_token_ids,
             logprobs=list(state.logprobs) if state.logprobs is not None else None,
             finish_reason=seq.finish_reason,
             finished=seq.is_finished,

@@ -144,11 +144,8 @@ class ModelRunner:
             seq_index = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]
 
-        block_lists = [s.seq.block_ids for s in scheduled]
-        max_blocks = max(map(len, block_lists))
-        block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, ids in enumerate(block_lists):
-            block_tables[i, : len(ids)] = ids
+        block_tables = _block_tables([s.seq.block_ids for s in scheduled])
+        max_blocks = block_tables.shape[1]
         bs = self.block_size
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
@@ -229,3 +226,15 @@ class ModelRunner:
             logprobs[i] = sampled.logprobs[row]
             errors[i] = sampled.errors[row]
         return StepResult(token_ids, logprobs, errors)
+
+
+def _block_tables(block_lists: list[list[int]]) -> np.ndarray:
+    """Rows of block ids padded with 0, filled by one masked assignment rather than a row at a time."""
+    num_seqs = len(block_lists)
+    lengths = np.fromiter(map(len, block_lists), dtype=np.int64, count=num_seqs)
+    max_blocks = int(lengths.max())
+    flat = np.fromiter(itertools.chain.from_iterable(block_lists), dtype=np.int32, count=int(lengths.sum()))
+    block_tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+    # Row-major order of the mask's True entries is the order of the flattened lists.
+    block_tables[np.arange(max_blocks) < lengths[:, None]] = flat
+    return block_tables

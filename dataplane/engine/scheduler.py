@@ -17,7 +17,7 @@ from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     # Tokens already in the KV cache before this step (prefix-cache hits included).
@@ -132,9 +132,11 @@ class Scheduler:
         step sampled nothing). Returns the sequences that got a token, finished ones included."""
         updated = []
         now = time.monotonic()
+        finished = SequenceStatus.FINISHED
+        max_model_len = self.max_model_len
         for item, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             seq = item.seq
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if token_id is None:
@@ -142,7 +144,7 @@ class Scheduler:
             seq.append_token(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = seq.check_stop(self.max_model_len)
+            reason = seq.check_stop(max_model_len)
             if reason is not None:
                 self.finish(seq.request_id, reason)
             updated.append(seq)

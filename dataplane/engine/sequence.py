@@ -86,10 +86,11 @@ class Sequence:
 
     def check_stop(self, max_model_len: int) -> str | None:
         """The finish reason after the last appended token, from token ids and lengths alone."""
-        last = self.output_token_ids[-1]
-        if last in self.stop_token_ids:
+        # Lengths read directly: this runs for every sequence on every step.
+        output_token_ids = self.output_token_ids
+        if output_token_ids[-1] in self.stop_token_ids:
             return "stop"
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        if len(output_token_ids) >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
             return "length"
         return None
 

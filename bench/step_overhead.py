@@ -1,0 +1,194 @@
+"""The engine's host (Python) time per decode step, with the model call and the sampler left out.
+
+A tiny demo model, N sequences in steady decode (EOS ignored, prompts long enough, no stop strings).
+The model runner's forward and sampler are replaced by stand-ins that return at once (random next
+tokens from numpy), so what is timed is only what the host does around them every step:
+
+- schedule: `Scheduler.schedule`
+- prepare: the model runner building the step's input arrays (from `execute` entry to the forward)
+- post: everything after the sampled tokens are known until `step` returns (scheduler update,
+  detokenization, stop checks, the per-request outputs)
+
+Prints one JSON line with the median milliseconds of each per step (wall and thread CPU), and, with
+--profile, the total CPU time per step under cProfile and its top functions on stderr.
+
+    python bench/step_overhead.py --num-seqs 256 --steps 200
+
+Measured on the shared 2-core development machine (tiny model, 256 sequences, 200 steps; medians of
+wall ms per step; runs of the same code vary by up to 1.5x with the machine's load, so before and after
+were run alternately, twice each):
+    before (engine at 5d0d020, streamed): schedule 0.46-0.70, prepare 0.35-0.53, post 3.3-4.9,
+        total 4.1-6.0; cProfile 14.6-15.8 CPU ms per step
+    after, streamed (AsyncLLM, the server): schedule 0.21-0.33, prepare 0.28-0.30, post 2.0-2.2,
+        total 2.5-2.9; cProfile 9.4
+    after, --no-stream (LLM.generate): schedule 0.31-0.33, prepare 0.22-0.26, post 0.19-0.20,
+        total 0.74-0.81; cProfile 3.4-3.8
+cProfile's figure includes its own overhead per Python call (about 3x here), so it overstates the
+absolute time; the ratio between runs is what it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def build_engine(model_dir: Path, num_seqs: int):
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_kwargs(
+        str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(2048, num_seqs * 16),
+        enable_prefix_caching=True,
+    )
+
+
+class _Timed:
+    """Replaces the model call and the sampler with stand-ins and stamps when each phase ends."""
+
+    def __init__(self, engine, vocab: int, seed: int) -> None:
+        from modelfleet.dataplane.engine.model_runner import StepResult
+
+        self.engine = engine
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        runner = engine.runner
+        scheduler = engine.scheduler
+        self.marks: dict[str, float] = {}
+        hidden = torch.zeros(engine.config.max_num_seqs, engine.model_config.hidden_size)
+        schedule = scheduler.schedule
+        execute = runner.execute
+
+        def timed_schedule():
+            out = schedule()
+            self.marks["scheduled"] = _now()
+            return out
+
+        def fake_forward(*args, **kwargs):
+            self.marks["prepared"] = _now()
+            return hidden
+
+        def fake_sample(out, hidden_states, cu_query):
+            n = len(out.scheduled)
+            tokens = [
+                int(t) if s.samples else None for t, s in zip(self.next_tokens(n), out.scheduled, strict=True)
+            ]
+            return StepResult(tokens, [None] * n, [None] * n)
+
+        def timed_execute(out):
+            result = execute(out)
+            self.marks["sampled"] = _now()
+            return result
+
+        scheduler.schedule = timed_schedule
+        runner.decode_graphs = None
+        runner._forward_eager = fake_forward
+        runner._sample = fake_sample
+        runner.execute = timed_execute
+
+    def next_tokens(self, n: int) -> np.ndarray:
+        # Ordinary ids (no special tokens at the low end), so detokenization does real work.
+        return self.rng.integers(16, self.vocab, size=n)
+
+    def step(self) -> dict[str, float]:
+        start = _now()
+        self.engine.step()
+        end = _now()
+        m = self.marks
+        times = {}
+        for clock in (0, 1):
+            name = ("wall", "cpu")[clock]
+            times[f"schedule_{name}"] = m["scheduled"][clock] - start[clock]
+            times[f"prepare_{name}"] = m["prepared"][clock] - m["scheduled"][clock]
+            times[f"post_{name}"] = end[clock] - m["sampled"][clock]
+            times[f"total_{name}"] = (end[clock] - start[clock]) - (
+                m["sampled"][clock] - m["prepared"][clock]
+            )
+        return times
+
+
+def _now() -> tuple[float, float]:
+    # Wall time, and this thread's CPU time: on a shared machine the second is the steadier figure.
+    return time.perf_counter(), time.thread_time()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="requests as LLM.generate adds them: no outputs before they finish (default: streamed)",
+    )
+    parser.add_argument("--profile", action="store_true", help="also run the steps under cProfile")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint; default: the tiny demo")
+    args = parser.parse_args()
+
+    from modelfleet.dataplane.demo import create_demo_model
+    from modelfleet.dataplane.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or create_demo_model(Path(tmp) / "tiny", size="tiny")
+        engine = build_engine(model_dir, args.num_seqs)
+        vocab = engine.model_config.vocab_size
+        timed = _Timed(engine, vocab, seed=0)
+        max_tokens = args.warmup + args.steps * (2 if args.profile else 1) + 8
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        rng = np.random.default_rng(1)
+        for i in range(args.num_seqs):
+            prompt = rng.integers(16, vocab, size=args.prompt_len).tolist()
+            if args.no_stream:
+                engine.add_request(f"r{i}", prompt, params, stream=False)
+            else:
+                engine.add_request(f"r{i}", prompt, params)
+        # Prefill until every sequence decodes, then warm up.
+        while engine.scheduler.waiting or any(
+            s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running
+        ):
+            timed.step()
+        for _ in range(args.warmup):
+            timed.step()
+        samples = [timed.step() for _ in range(args.steps)]
+        assert len(engine.scheduler.running) == args.num_seqs, "a sequence finished early"
+        result = {
+            "bench": "step_overhead",
+            "num_seqs": args.num_seqs,
+            "stream": not args.no_stream,
+            "steps": args.steps,
+            **{f"{key}_ms": round(statistics.median(s[key] for s in samples) * 1e3, 3) for key in samples[0]},
+        }
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.steps):
+                timed.step()
+            profiler.disable()
+            stats = pstats.Stats(profiler, stream=io.StringIO())
+            result["profile_cpu_ms_per_step"] = round(stats.total_tt / args.steps * 1e3, 3)
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue(), file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
