@@ -1,8 +1,10 @@
 """Watch the manifest file and apply changes in place.
 
 Polling the file's content (not inotify) works the same on every file system and with Kubernetes
-ConfigMap volumes, which swap a symlink rather than writing the file. A bad manifest is logged and
-counted; the server keeps serving the last good one.
+ConfigMap volumes, which swap a symlink rather than writing the file. A change is applied once two
+checks in a row read the same content, so a file caught half-written by an editor (or truncated to zero
+bytes before the rewrite) is never applied. A bad manifest is logged and counted; the server keeps
+serving the last good one.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ log = logging.getLogger("modelfleet.server")
 
 
 def _digest(path: Path) -> str | None:
+    """The content's digest; None for an unreadable or zero-byte file (a rewrite in progress)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        content = path.read_bytes()
     except OSError:
         return None
+    return hashlib.sha256(content).hexdigest() if content else None
 
 
 class ManifestWatcher:
@@ -40,14 +44,20 @@ class ManifestWatcher:
         self.interval = interval
         self.on_result = on_result
         self._seen = _digest(path)
+        self._pending: str | None = None  # a changed digest, applied when the next check reads it again
         self._task: asyncio.Task | None = None
 
     def check(self) -> bool:
-        """Apply the file if it changed since the last check; True when a new manifest was applied."""
+        """Apply the file if it changed and has stayed the same since the last check; True when a new
+        manifest was applied."""
         digest = _digest(self.path)
         if digest is None or digest == self._seen:
+            self._pending = None
             return False
-        self._seen = digest
+        if digest != self._pending:
+            self._pending = digest
+            return False
+        self._seen, self._pending = digest, None
         try:
             manifest = load_manifest(self.path)
         except ManifestError as exc:
