@@ -21,6 +21,8 @@ from modelfleet.dataplane.attention.metadata import AttentionMetadata
 _CACHE_KEY = "torch_paged"
 # A group keeps growing while its useful work is at least this share of its padded work.
 _MIN_EFFICIENCY = 0.6
+# Decode groups are cheap to launch and their work is reading K/V, so padding is cut much closer.
+_MIN_DECODE_EFFICIENCY = 0.9
 # Decode multiplies every query head with every KV head (see _decode_forward): Hkv times the useful
 # arithmetic, which is cheaper than SDPA's strided reads only while Hkv is small.
 _MAX_KV_HEADS_FOR_DECODE_MATMUL = 8
@@ -75,9 +77,11 @@ class _Group:
         return mask
 
 
-def _split_by_efficiency(seqs: list[int], q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+def _split_by_efficiency(
+    seqs: list[int], q_lens: list[int], seq_lens: list[int], min_efficiency: float
+) -> list[list[int]]:
     """Greedy over sequences sorted by cost, largest first: start a new group when padding would waste
-    more than 1 - _MIN_EFFICIENCY of the group's work (work ~ query length x KV length)."""
+    more than 1 - min_efficiency of the group's work (work ~ query length x KV length)."""
     order = sorted(seqs, key=lambda s: (q_lens[s] * seq_lens[s], seq_lens[s]), reverse=True)
     groups: list[list[int]] = []
     current: list[int] = []
@@ -85,7 +89,7 @@ def _split_by_efficiency(seqs: list[int], q_lens: list[int], seq_lens: list[int]
     for s in order:
         new_useful = useful + q_lens[s] * seq_lens[s]
         new_max_q, new_max_kv = max(max_q, q_lens[s]), max(max_kv, seq_lens[s])
-        if current and new_useful < _MIN_EFFICIENCY * (len(current) + 1) * new_max_q * new_max_kv:
+        if current and new_useful < min_efficiency * (len(current) + 1) * new_max_q * new_max_kv:
             groups.append(current)
             current, new_useful, new_max_q, new_max_kv = [], q_lens[s] * seq_lens[s], q_lens[s], seq_lens[s]
         current.append(s)
@@ -136,8 +140,10 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
             kinds.setdefault((q_len == 1, q_len == seq_len), []).append(s)
     groups = [
         _make_group(part, fresh, starts, q_lens, seq_lens, meta.block_tables, block_size)
-        for (_, fresh), seqs in sorted(kinds.items())
-        for part in _split_by_efficiency(seqs, q_lens, seq_lens)
+        for (decode, fresh), seqs in sorted(kinds.items())
+        for part in _split_by_efficiency(
+            seqs, q_lens, seq_lens, _MIN_DECODE_EFFICIENCY if decode else _MIN_EFFICIENCY
+        )
     ]
     meta.backend_cache[_CACHE_KEY] = groups
     return groups
