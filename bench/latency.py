@@ -24,7 +24,14 @@ import time
 
 import numpy as np
 import torch
-from throughput import PRESETS, build_preset, copy_bandwidth_gbps, kv_bytes_per_token, weight_bytes_per_step
+from throughput import (
+    PRESETS,
+    build_preset,
+    copy_bandwidth_gbps,
+    kv_bytes_per_token,
+    model_args_problem,
+    weight_bytes_per_step,
+)
 
 
 def run_engine(args: argparse.Namespace, prompt: list[int], result: dict) -> dict:
@@ -129,14 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(
-            "--device cuda: no CUDA GPU visible to torch; run on a GPU machine or use --device cpu",
-            file=sys.stderr,
-        )
-        return 2
-    if (args.model is None) == (args.preset is None):
-        print("--model/--preset: give exactly one (a checkpoint folder or a preset shape)", file=sys.stderr)
+    if problem := model_args_problem(args):
+        print(problem, file=sys.stderr)
         return 2
     if args.output_len < 2:
         print("--output-len: needs at least 2 tokens (a decode rate needs decode steps)", file=sys.stderr)

@@ -298,6 +298,15 @@ def rates(elapsed: float, requests: list[tuple[list[int], int]]) -> dict[str, fl
     }
 
 
+def model_args_problem(args: argparse.Namespace) -> str | None:
+    """The one-line problem with --device, --model and --preset, or None (shared with latency.py)."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA GPU visible to torch; run on a GPU machine or use --device cpu"
+    if (args.model is None) == (args.preset is None):
+        return "--model/--preset: give exactly one (a checkpoint folder or a preset shape)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -345,14 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     args.max_num_seqs = args.max_num_seqs or (256 if gpu else 64)
     args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if gpu else 2048)
     args.hf_batch_size = args.hf_batch_size or (256 if gpu else 16)
-    if gpu and not torch.cuda.is_available():
-        print(
-            "--device cuda: no CUDA GPU visible to torch; run on a GPU machine or use --device cpu",
-            file=sys.stderr,
-        )
-        return 2
-    if (args.model is None) == (args.preset is None):
-        print("--model/--preset: give exactly one (a checkpoint folder or a preset shape)", file=sys.stderr)
+    if problem := model_args_problem(args):
+        print(problem, file=sys.stderr)
         return 2
     if args.model is not None and not os.path.isdir(args.model):
         print(
