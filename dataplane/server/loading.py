@@ -1,4 +1,8 @@
-"""The real version loader for the model manager: an `AsyncLLM` per version, sized for the memory budget."""
+"""The real version loader for the model manager: an engine per version, sized for the memory budget.
+
+A torch checkpoint (safetensors) gets an `AsyncLLM`; an ONNX artifact (manifest.json says format "onnx",
+or *.onnx files without safetensors) gets an `AsyncOnnxEngine`.
+"""
 
 from __future__ import annotations
 
@@ -19,23 +23,61 @@ def engine_kwargs(spec: VersionSpec) -> dict[str, Any]:
     return {key: json.loads(value) for key, value in spec.engine_config}
 
 
+def is_onnx_artifact(artifact: Path) -> bool:
+    manifest = artifact / "manifest.json"
+    if manifest.is_file():
+        try:
+            fmt = json.loads(manifest.read_text()).get("format")
+        except (ValueError, AttributeError):
+            fmt = None
+        if fmt is not None:
+            return fmt == "onnx"
+    return any(artifact.glob("*.onnx")) and not any(artifact.glob("*.safetensors"))
+
+
 def load_engine(spec: VersionSpec) -> Any:
     """Blocking: build the engine for one version (the manager runs this on a worker thread)."""
-    from modelfleet.dataplane import AsyncLLM
-
     artifact = Path(spec.artifact)
     if not artifact.is_dir():
         raise FileNotFoundError(f"artifact {artifact} is not a directory")
     with _LOAD_LOCK:
+        if is_onnx_artifact(artifact):
+            from modelfleet.dataplane.onnx_engine import AsyncOnnxEngine
+
+            return AsyncOnnxEngine(str(artifact), **engine_kwargs(spec))
+        from modelfleet.dataplane import AsyncLLM
+
         return AsyncLLM(str(artifact), **engine_kwargs(spec))
 
 
 def estimate_engine_bytes(spec: VersionSpec) -> int:
-    """Weights on disk plus the CPU KV-cache budget: what loading this version adds to memory."""
+    """Weights on disk plus the KV cache: what loading this version adds to memory. An ONNX engine's
+    cache grows with its one running request, at most max_model_len tokens; its weights are the graph
+    and its external data files."""
     artifact = Path(spec.artifact)
-    weights = sum(p.stat().st_size for p in artifact.glob("*.safetensors")) if artifact.is_dir() else 0
-    kv_bytes = engine_kwargs(spec).get("kv_cache_bytes", EngineConfig.kv_cache_bytes)
+    if not artifact.is_dir():
+        return 0
+    kwargs = engine_kwargs(spec)
+    if is_onnx_artifact(artifact):
+        # The graphs and their external data (model.onnx.data, or any *.data).
+        files = {p for pattern in ("*.onnx", "*.onnx.data", "*.data") for p in artifact.glob(pattern)}
+        weights = sum(p.stat().st_size for p in files if p.is_file())
+        return weights + _onnx_cache_bytes(artifact, kwargs.get("max_model_len"))
+    weights = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
+    kv_bytes = kwargs.get("kv_cache_bytes", EngineConfig.kv_cache_bytes)
     return weights + int(kv_bytes)
+
+
+def _onnx_cache_bytes(artifact: Path, max_model_len: Any) -> int:
+    """Keys and values of every layer for one sequence of max_model_len tokens (float32 at most)."""
+    try:
+        config = json.loads((artifact / "config.json").read_text())
+        heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        tokens = max_model_len if isinstance(max_model_len, int) else config.get("max_position_embeddings", 0)
+        return 2 * config["num_hidden_layers"] * heads * head_dim * int(tokens) * 4
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0  # the load itself will say what is wrong with the artifact
 
 
 def close_engine(engine: Any) -> None:
