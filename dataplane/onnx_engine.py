@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import json
@@ -25,14 +26,15 @@ from typing import Any
 
 import numpy as np
 from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.engine.async_llm import Done, stream_outputs
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
+from modelfleet.dataplane.engine.llm_engine import Prompt, check_request
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
 from modelfleet.dataplane.onnx_runner import OnnxRunner
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -94,32 +96,23 @@ class AsyncOnnxEngine:
 
     # --- the caller's side (event loop) ---
 
-    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        """The torch engine's checks: a request refused here never reaches the worker."""
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt, str | list | tuple):
-            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-        if isinstance(prompt, str) and prompt:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
             with self._tokenizer_lock:
-                token_ids = list(self.tokenizer.encode(prompt))
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: is empty; send at least one token")
-        vocab = self.runner.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
-                f"{self.max_model_len} tokens (prompt plus output); shorten the prompt"
-            )
-        return token_ids, params
+                return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The torch engine's checks: a request refused here never reaches the worker."""
+        return check_request(
+            prompt,
+            params,
+            tokenize=self.tokenize,
+            vocab_size=self.runner.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
     async def generate(
         self,
@@ -149,26 +142,18 @@ class AsyncOnnxEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._submit(("add", request, priority))
-        finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            abandon = functools.partial(self._submit, ("abort", request_id))
+            async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(("abort", request_id))
 
-    def abort(self, request_id: str) -> _Done:
+    def abort(self, request_id: str) -> Done:
         """Ends the request before its next token; its stream ends with finish_reason "abort"."""
         self._submit(("abort", request_id))
-        return _Done()
+        return Done()
 
     def stats(self) -> EngineStats:
         # No blocks: one contiguous cache for the running request, at most max_model_len tokens.
@@ -326,13 +311,6 @@ class AsyncOnnxEngine:
         # RuntimeError: the caller's event loop is gone.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(queue.put_nowait, item)
-
-
-class _Done:
-    """An already-finished awaitable, so that `abort()` works with and without `await`."""
-
-    def __await__(self):
-        return iter(())
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,30 @@ from modelfleet.dataplane.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class _Done:
+class Done:
     """An already-finished awaitable, so that `abort()` works with and without `await`."""
 
     def __await__(self):
         return iter(())
+
+
+async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as the engine thread queues them, up to the finished one (an exception queued
+    instead is raised). A consumer that leaves before the end (closed or cancelled) calls `abandon`."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abandon()
 
 
 class AsyncLLM:
@@ -59,26 +79,18 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._submit(("add", request_id, prompt, priority, validated))
-        finished = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            abandon = functools.partial(self._submit, ("abort", request_id))
+            async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._submit(("abort", request_id))
 
-    def abort(self, request_id: str) -> _Done:
+    def abort(self, request_id: str) -> Done:
         """Ends the request and frees its KV blocks before the next step; its stream ends with "abort"."""
         self._submit(("abort", request_id))
-        return _Done()
+        return Done()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,35 @@ from modelfleet.dataplane.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+
+def check_request(
+    prompt: Prompt,
+    params: SamplingParams | None,
+    *,
+    tokenize: Callable[[Prompt], list[int]],
+    vocab_size: int,
+    max_model_len: int,
+) -> tuple[list[int], SamplingParams]:
+    """A request's checks, done before it joins any batch (every engine runs the same ones); returns its
+    prompt tokens and parameters, or raises ValueError naming the field."""
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+    if not isinstance(prompt, str | list | tuple):
+        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+    token_ids = tokenize(prompt) if prompt else []
+    if not token_ids:
+        raise ValueError("prompt: is empty; send at least one token")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
+            f"{max_model_len} tokens (prompt plus output); shorten the prompt"
+        )
+    return token_ids, params
 
 
 @dataclass
@@ -100,24 +130,13 @@ class LLMEngine:
 
     def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """Checks a request before it joins any batch; returns its prompt tokens and parameters."""
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        if not isinstance(prompt, str | list | tuple):
-            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-        token_ids = self.tokenize(prompt) if prompt else []
-        if not token_ids:
-            raise ValueError("prompt: is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
-                f"{self.max_model_len} tokens (prompt plus output); shorten the prompt"
-            )
-        return token_ids, params
+        return check_request(
+            prompt,
+            params,
+            tokenize=self.tokenize,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
 
     def add_request(
         self,
