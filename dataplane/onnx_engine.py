@@ -8,28 +8,22 @@ running one ends. Sampling follows the torch engine's `SamplingParams` with nump
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import heapq
 import itertools
 import json
 import logging
 import threading
 import time
-import uuid
-from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from modelfleet.dataplane.config import EngineConfig
-from modelfleet.dataplane.engine.async_llm import Done, stream_outputs
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
-from modelfleet.dataplane.engine.llm_engine import Prompt, check_request
+from modelfleet.dataplane.engine.llm_engine import Prompt, check_request, encode_prompt
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.onnx_runner import OnnxRunner
 from modelfleet.dataplane.sampling_params import SamplingParams
 
@@ -54,7 +48,7 @@ class _Request:
     aborted: bool = False
 
 
-class AsyncOnnxEngine:
+class AsyncOnnxEngine(ThreadedEngine):
     """Takes the torch engine's settings (see EngineConfig) so one manifest can serve either format;
     only `max_model_len` and `seed` mean something here, the paged-cache ones are accepted and unused."""
 
@@ -77,16 +71,11 @@ class AsyncOnnxEngine:
         self._rng = np.random.default_rng(self.config.seed)
         self._tokenizer_lock = threading.Lock()
 
-        self._commands: deque[tuple] = deque()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._waiting: list[tuple[int, int, _Request]] = []  # heap of (priority, arrival order, request)
         self._order = itertools.count()
         self._running: _Request | None = None
         self._cached_tokens = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="modelfleet-onnx-engine", daemon=True)
-        self._thread.start()
+        self._start("modelfleet-onnx-engine")
 
     def _load_tokenizer(self) -> Any:
         if not any((Path(self.config.model) / name).exists() for name in _TOKENIZER_FILES):
@@ -97,12 +86,7 @@ class AsyncOnnxEngine:
     # --- the caller's side (event loop) ---
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
-            with self._tokenizer_lock:
-                return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+        return encode_prompt(prompt, self.tokenizer, self._tokenizer_lock)
 
     def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """The torch engine's checks: a request refused here never reaches the worker."""
@@ -114,22 +98,10 @@ class AsyncOnnxEngine:
             max_model_len=self.max_model_len,
         )
 
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; the last has finished=True. Closing the iterator aborts."""
-        if self._closed:
-            raise RuntimeError("AsyncOnnxEngine is closed")
-        token_ids, params = self.validate(prompt, params)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: {priority!r} must be an integer (lower runs first)")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+    def _add_command(
+        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
+    ) -> tuple:
+        token_ids, params = validated
         request = _Request(
             request_id,
             token_ids,
@@ -139,21 +111,7 @@ class AsyncOnnxEngine:
             arrival_time=time.monotonic(),
             logprobs=[] if params.logprobs is not None else None,
         )
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request, priority))
-        try:
-            abandon = functools.partial(self._submit, ("abort", request_id))
-            async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
-                async for output in outputs:
-                    yield output
-        finally:
-            self._streams.pop(request_id, None)
-
-    def abort(self, request_id: str) -> Done:
-        """Ends the request before its next token; its stream ends with finish_reason "abort"."""
-        self._submit(("abort", request_id))
-        return Done()
+        return ("add", request, priority)
 
     def stats(self) -> EngineStats:
         # No blocks: one contiguous cache for the running request, at most max_model_len tokens.
@@ -165,15 +123,6 @@ class AsyncOnnxEngine:
             num_free_blocks=0,
             num_total_blocks=0,
         )
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-
-    def _submit(self, command: tuple) -> None:
-        self._commands.append(command)
-        self._wake.set()
 
     # --- the worker thread ---
 
@@ -302,15 +251,6 @@ class AsyncOnnxEngine:
         if request is self._running:  # stats() already shows it gone when its caller sees the end
             self._running, self._cached_tokens = None, 0
         self._emit(request, new_text, reason, error)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        # RuntimeError: the caller's event loop is gone.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(queue.put_nowait, item)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

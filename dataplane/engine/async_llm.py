@@ -2,107 +2,37 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import logging
-import threading
-import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.engine.llm_engine import LLMEngine, Prompt
-from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.outputs import EngineStats
+from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class Done:
-    """An already-finished awaitable, so that `abort()` works with and without `await`."""
-
-    def __await__(self):
-        return iter(())
-
-
-async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
-    """A request's outputs as the engine thread queues them, up to the finished one (an exception queued
-    instead is raised). A consumer that leaves before the end (closed or cancelled) calls `abandon`."""
-    finished = False
-    try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                finished = True
-                raise item
-            finished = item.finished
-            yield item
-            if finished:
-                return
-    finally:
-        if not finished:
-            abandon()
-
-
-class AsyncLLM:
+class AsyncLLM(ThreadedEngine):
     def __init__(self, model: str | Path, **engine_config: Any) -> None:
         self.engine = LLMEngine.from_kwargs(model, **engine_config)
-        self._commands: deque[tuple] = deque()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="modelfleet-engine", daemon=True)
-        self._thread.start()
+        self._start("modelfleet-engine")
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams the request's outputs; the last has finished=True. Closing the iterator aborts."""
-        if self._closed:
-            raise RuntimeError("AsyncLLM is closed")
-        validated = self.engine.validate(prompt, params)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority: {priority!r} must be an integer (lower runs first)")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request_id, prompt, priority, validated))
-        try:
-            abandon = functools.partial(self._submit, ("abort", request_id))
-            async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
-                async for output in outputs:
-                    yield output
-        finally:
-            self._streams.pop(request_id, None)
+    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        return self.engine.validate(prompt, params)
 
-    def abort(self, request_id: str) -> Done:
-        """Ends the request and frees its KV blocks before the next step; its stream ends with "abort"."""
-        self._submit(("abort", request_id))
-        return Done()
+    def _add_command(
+        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
+    ) -> tuple:
+        return ("add", request_id, prompt, priority, validated)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-
-    def _submit(self, command: tuple) -> None:
-        self._commands.append(command)
-        self._wake.set()
 
     def _run(self) -> None:
         while not self._closed:
@@ -143,12 +73,3 @@ class AsyncLLM:
         for request_id in list(self._streams):
             self.engine.abort(request_id)
             self._deliver(request_id, exc)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        # RuntimeError: the caller's event loop is gone.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(queue.put_nowait, item)

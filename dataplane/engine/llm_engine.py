@@ -22,6 +22,17 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
+def encode_prompt(prompt: Prompt, tokenizer: Any, lock: threading.Lock) -> list[int]:
+    """Token ids of a text or token-id prompt. The lock: encoding from several threads at once trips the
+    fast tokenizer's internal borrow checks."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
+        with lock:
+            return list(tokenizer.encode(prompt))
+    return list(prompt)
+
+
 def check_request(
     prompt: Prompt,
     params: SamplingParams | None,
@@ -121,12 +132,7 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
-            with self._tokenizer_lock:
-                return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+        return encode_prompt(prompt, self.tokenizer, self._tokenizer_lock)
 
     def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """Checks a request before it joins any batch; returns its prompt tokens and parameters."""

@@ -1,0 +1,118 @@
+"""The caller's side of an engine that runs on its own thread: commands go to the thread through a
+deque, outputs come back through one asyncio queue per request. AsyncLLM (the torch engine) and
+AsyncOnnxEngine share it; each supplies its checks, its "add" command and its thread loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from modelfleet.dataplane.engine.llm_engine import Prompt
+from modelfleet.dataplane.engine.outputs import RequestOutput
+from modelfleet.dataplane.sampling_params import SamplingParams
+
+
+class Done:
+    """An already-finished awaitable, so that `abort()` works with and without `await`."""
+
+    def __await__(self):
+        return iter(())
+
+
+async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as the engine thread queues them, up to the finished one (an exception queued
+    instead is raised). A consumer that leaves before the end (closed or cancelled) calls `abandon`."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abandon()
+
+
+class ThreadedEngine(ABC):
+    def _start(self, thread_name: str) -> None:
+        self._commands: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    @abstractmethod
+    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The request's checks, on the caller's side: a request refused here never reaches the thread."""
+
+    @abstractmethod
+    def _add_command(
+        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
+    ) -> tuple:
+        """The "add" command the thread's loop understands."""
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The thread's loop; it ends the streams still open once the engine is closed."""
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; the last has finished=True. Closing the iterator aborts."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        validated = self.validate(prompt, params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority: {priority!r} must be an integer (lower runs first)")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._submit(self._add_command(request_id, prompt, priority, validated))
+        try:
+            abandon = functools.partial(self._submit, ("abort", request_id))
+            async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
+                async for output in outputs:
+                    yield output
+        finally:
+            self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> Done:
+        """Ends the request before its next step; its stream ends with finish_reason "abort"."""
+        self._submit(("abort", request_id))
+        return Done()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        # RuntimeError: the caller's event loop is gone.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
