@@ -71,7 +71,7 @@ class _Timed:
         self.marks: dict[str, float] = {}
         hidden = torch.zeros(engine.config.max_num_seqs, engine.model_config.hidden_size)
         schedule = scheduler.schedule
-        execute = runner.execute
+        launch = runner.launch
 
         def timed_schedule():
             out = schedule()
@@ -87,18 +87,18 @@ class _Timed:
             tokens = [
                 int(t) if s.samples else None for t, s in zip(self.next_tokens(n), out.scheduled, strict=True)
             ]
-            return StepResult(tokens, [None] * n, [None] * n)
+            return _Launched(StepResult(tokens, [None] * n, [None] * n))
 
-        def timed_execute(out):
-            result = execute(out)
+        def timed_launch(out):
+            launched = launch(out)
             self.marks["sampled"] = _now()
-            return result
+            return launched
 
         scheduler.schedule = timed_schedule
         runner.decode_graphs = None
         runner._forward_eager = fake_forward
         runner._sample = fake_sample
-        runner.execute = timed_execute
+        runner.launch = timed_launch
 
     def next_tokens(self, n: int) -> np.ndarray:
         # Ordinary ids (no special tokens at the low end), so detokenization does real work.
@@ -119,6 +119,16 @@ class _Timed:
                 m["sampled"][clock] - m["prepared"][clock]
             )
         return times
+
+
+class _Launched:
+    """A stand-in for a launched step whose tokens are already known."""
+
+    def __init__(self, result) -> None:
+        self._result = result
+
+    def result(self):
+        return self._result
 
 
 def _now() -> tuple[float, float]:

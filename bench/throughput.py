@@ -107,55 +107,34 @@ def kv_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 
 class DecodeStepTimer:
-    """Times every engine step and notes which were pure decode steps (one token per sequence), with
-    their batch size and the KV tokens they read. A step ends with the sampled tokens on the host, so
-    wall-clock time between step calls is device time plus host time. For graph-replayed steps it also
-    splits off the host's share: from the step's start until the graph is launched, and from the
-    sampled tokens' arrival on the host until the step returns (the GPU idles in both)."""
+    """Times every engine step and notes which launched pure decode steps (one token per sequence),
+    with their batch size and the KV tokens they read. A step launches its batch and then reads back
+    the previous batch's tokens, so in steady decode the wall-clock time between step calls is the
+    device's time per step plus whatever host time the device did not hide."""
 
     def __init__(self, llm) -> None:
         self.steps: list[tuple[bool, int, int, float]] = []  # (decode, batch, kv tokens, seconds)
-        self.host_s: list[float] = []  # per graph-replayed step: host time before launch + after sampling
         self._last: tuple[bool, int, int] | None = None
-        self._marks: dict[str, float] = {}
         engine, runner = llm.engine, llm.engine.runner
-        execute, step, sampler = runner.execute, engine.step, runner.sampler
+        launch, step = runner.launch, engine.step
 
-        def timed_execute(out):
+        def timed_launch(out):
             items = out.scheduled
             decode = all(s.num_new_tokens == 1 for s in items)
             kv_tokens = sum(s.num_computed_tokens + s.num_new_tokens for s in items)
             self._last = (decode, len(items), kv_tokens)
-            return execute(out)
-
-        def timed_sampler(*args, **kwargs):
-            result = sampler(*args, **kwargs)
-            self._marks["sampled"] = time.perf_counter()
-            return result
+            return launch(out)
 
         def timed_step():
             self._last = None
-            self._marks.clear()
             start = time.perf_counter()
             result = step()
             end = time.perf_counter()
             if self._last is not None:
                 self.steps.append((*self._last, end - start))
-                if "launched" in self._marks and "sampled" in self._marks:
-                    self.host_s.append(self._marks["launched"] - start + end - self._marks["sampled"])
             return result
 
-        runner.execute, engine.step, runner.sampler = timed_execute, timed_step, timed_sampler
-        graphs = runner.decode_graphs
-        if graphs is not None:
-            run = graphs.run
-
-            def timed_run(*args, **kwargs):
-                hidden = run(*args, **kwargs)
-                self._marks["launched"] = time.perf_counter()
-                return hidden
-
-            graphs.run = timed_run
+        runner.launch, engine.step = timed_launch, timed_step
 
     def roofline(self, weight_bytes: int, kv_token_bytes: int, bandwidth_gbps: float) -> dict:
         decode = [s for s in self.steps if s[0]]
@@ -172,10 +151,6 @@ class DecodeStepTimer:
             "decode_roofline_tokens_per_s": round(tokens / ideal, 1),
             "decode_pct_of_roofline": round(100 * ideal / measured, 1),
             "decode_time_share_of_engine_steps": round(measured / sum(s[3] for s in self.steps), 3),
-            "graph_steps": len(self.host_s),
-            "graph_step_host_ms_median": round(1e3 * float(np.median(self.host_s)), 3)
-            if self.host_s
-            else None,
         }
 
 

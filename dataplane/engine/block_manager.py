@@ -111,7 +111,9 @@ class BlockManager:
         for _ in range(max(num_new_blocks, 0)):
             seq.block_ids.append(self._take_free_block())
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, (num_computed + num_new_tokens) // self.block_size)
+            # A block whose last token is still in flight (not yet on the host) is named a step later.
+            num_full = min(num_computed + num_new_tokens, seq.num_tokens) // self.block_size
+            self._register_full_blocks(seq, num_full)
         return True
 
     def free(self, seq: Sequence) -> None:

@@ -1,4 +1,10 @@
-"""The engine loop: add requests, step (schedule -> run the model -> post-process), abort."""
+"""The engine loop: add requests, step (schedule -> run the model -> post-process), abort.
+
+A step launches the next batch on the device before it reads back the previous batch's tokens, so the
+host's work (post-processing, scheduling, preparing inputs) overlaps the device's instead of leaving it
+idle between steps. Outputs therefore come one `step()` call after the tokens were computed, and a
+sequence that stops on a sampled token has one more row computed for it that is thrown away.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from modelfleet.dataplane.config import EngineConfig, check_prefill_fits
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
-from modelfleet.dataplane.engine.scheduler import Scheduler
+from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
 from modelfleet.dataplane.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.engine.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +135,8 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self._requests: dict[str, _RequestState] = {}
+        # The step on the device whose tokens have not been read back yet.
+        self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
 
     @classmethod
     def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:
@@ -191,13 +202,24 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        if not self.scheduler.has_unfinished():
-            return []
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return []
-        result = self.runner.execute(scheduled)
+        """Launches the next step, then processes the tokens of the one launched before it."""
+        scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        outputs: list[RequestOutput] = []
+        launched = None
+        if scheduled is not None and not scheduled.is_empty:
+            if self._launched is not None and any(s.seq.params.has_penalties for s in scheduled.scheduled):
+                # Penalties read the sequence's tokens on the host: the previous step's first.
+                outputs = self._process(*self._launched)
+                self._launched = None
+            launched = (scheduled, self.runner.launch(scheduled))
+        if self._launched is not None:
+            outputs += self._process(*self._launched)
+        self._launched = launched
+        return outputs
 
+    def _process(self, scheduled: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """The step's tokens into its sequences: stop checks, detokenization, outputs."""
+        result = launched.result()
         outputs: list[RequestOutput] = []
         errors = result.errors
         failed: list[tuple[str, str]] = []
@@ -206,7 +228,7 @@ class LLMEngine:
             failed = [
                 (item.seq.request_id, e)
                 for item, e in zip(scheduled.scheduled, errors, strict=True)
-                if e is not None
+                if e is not None and not item.seq.is_finished
             ]
             token_ids = [None if e is not None else t for t, e in zip(token_ids, errors, strict=True)]
         logprobs_by_id = None

@@ -2,6 +2,11 @@
 
 The KV cache is allocated once, here, from a byte budget (CPU) or a fraction of the device memory left
 after loading the weights (accelerators); nothing is allocated per token.
+
+`launch` queues a step on the device and returns at once; `LaunchedStep.result()` waits for its
+sampled tokens. A step may be launched before the previous step's tokens reach the host: an input
+token still in flight is read on the device from the previous step's sampled tokens (`sampled_ids`,
+at the sequence's `sample_row`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from modelfleet.dataplane.config import EngineConfig
-from modelfleet.dataplane.engine.sampler import Sampler
+from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -28,6 +33,31 @@ class StepResult:
     token_ids: list[int | None]
     logprobs: list[dict[int, float] | None]
     errors: list[str | None]
+
+
+class LaunchedStep:
+    """A step queued on the device; `result()` waits for its sampled tokens (once)."""
+
+    def __init__(self, num_seqs: int, sampling_rows: list[int], sampled: SampledBatch | None) -> None:
+        self.num_seqs = num_seqs
+        self.sampling_rows = sampling_rows
+        self.sampled = sampled
+
+    def result(self) -> StepResult:
+        num_seqs = self.num_seqs
+        if self.sampled is None:
+            return StepResult([None] * num_seqs, [None] * num_seqs, [None] * num_seqs)
+        sampled = self.sampled.result()
+        if len(self.sampling_rows) == num_seqs:
+            return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors)
+        token_ids: list[int | None] = [None] * num_seqs
+        logprobs: list[dict[int, float] | None] = [None] * num_seqs
+        errors: list[str | None] = [None] * num_seqs
+        for row, i in enumerate(self.sampling_rows):
+            token_ids[i] = sampled.token_ids[row]
+            logprobs[i] = sampled.logprobs[row]
+            errors[i] = sampled.errors[row]
+        return StepResult(token_ids, logprobs, errors)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -79,6 +109,8 @@ class ModelRunner:
             budget / 2**20,
         )
         self.sampler = Sampler(self.device, seed=config.seed)
+        # The latest step's sampled tokens, by sampling row: the next step's in-flight input ids.
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.decode_graphs = self._capture_decode_graphs(config)
 
     def _capture_decode_graphs(self, config: EngineConfig):
@@ -91,6 +123,7 @@ class ModelRunner:
         runner = model_decode_runner(
             self.model,
             self.kv_caches,
+            self.sampled_ids,
             max_batch_size=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             enabled=True,
@@ -114,8 +147,13 @@ class ModelRunner:
             return config.kv_cache_bytes
         return int(memory_info(self.device).free_bytes * config.kv_cache_memory_fraction)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Runs a step and waits for its tokens."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
+        """Queues a step's forward and sampling on the device; no wait for the device."""
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -126,20 +164,22 @@ class ModelRunner:
         num_tokens = int(cu_query[-1])
 
         if num_tokens == num_seqs:  # one token per sequence: decode steps (and 1-token prefills)
-            input_ids = np.fromiter(
-                (s.seq.token_ids[s.num_computed_tokens] for s in scheduled), dtype=np.int64, count=num_seqs
+            # (token id, -1) for a token on the host; (0, row in sampled_ids) for one in flight.
+            pairs = np.fromiter(
+                (
+                    (s.seq.token_ids[s.num_computed_tokens], -1)
+                    if s.num_computed_tokens < len(s.seq.token_ids)
+                    else (0, s.seq.sample_row)
+                    for s in scheduled
+                ),
+                dtype=np.dtype((np.int64, 2)),
+                count=num_seqs,
             )
+            input_ids, src_rows = pairs[:, 0], pairs[:, 1]
             positions = starts
             seq_index = np.arange(num_seqs)
         else:
-            input_ids = np.fromiter(
-                itertools.chain.from_iterable(
-                    s.seq.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens]
-                    for s in scheduled
-                ),
-                dtype=np.int64,
-                count=num_tokens,
-            )
+            input_ids, src_rows = _flat_input_ids(scheduled, cu_query, num_tokens)
             # Position of each token: its index in the flat batch, shifted to where its sequence starts.
             seq_index = np.repeat(np.arange(num_seqs), query_lens)
             positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]
@@ -160,6 +200,7 @@ class ModelRunner:
             hidden = graphs.run(
                 {
                     "input_ids": input_ids,
+                    "src_rows": src_rows,
                     "positions": positions,
                     "slot_mapping": slot_mapping,
                     "seq_lens": seq_lens.astype(np.int32),
@@ -169,13 +210,14 @@ class ModelRunner:
             )
         else:
             hidden = self._forward_eager(
-                input_ids, positions, slot_mapping, cu_query, seq_lens, block_tables, query_lens
+                input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, query_lens
             )
         return self._sample(out, hidden, cu_query)
 
     def _forward_eager(
         self,
         input_ids: np.ndarray,
+        src_rows: np.ndarray,
         positions: np.ndarray,
         slot_mapping: np.ndarray,
         cu_query: np.ndarray,
@@ -189,7 +231,7 @@ class ModelRunner:
 
         def to_device(array: np.ndarray) -> torch.Tensor:
             # From pageable memory a non-blocking copy is staged at once, without waiting for the device.
-            return torch.from_numpy(array).to(device, non_blocking=True)
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
 
         metadata = AttentionMetadata(
             slot_mapping=to_device(slot_mapping),
@@ -199,33 +241,51 @@ class ModelRunner:
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        return self.model(to_device(input_ids), to_device(positions), self.kv_caches, metadata)
+        ids = to_device(input_ids)
+        if (src_rows >= 0).any():
+            from modelfleet.dataplane.kernels.cuda_graphs import take_inflight_ids
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, cu_query: np.ndarray) -> StepResult:
+            ids = take_inflight_ids(ids, to_device(src_rows), self.sampled_ids)
+        return self.model(ids, to_device(positions), self.kv_caches, metadata)
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, cu_query: np.ndarray) -> LaunchedStep:
         """Logits of each sampling sequence's last token, then the sampler. `hidden` may live in graph
         memory: it is consumed here, before the next step."""
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
-        token_ids: list[int | None] = [None] * num_seqs
-        logprobs: list[dict[int, float] | None] = [None] * num_seqs
-        errors: list[str | None] = [None] * num_seqs
         if not sampling_rows:
-            return StepResult(token_ids, logprobs, errors)
+            return LaunchedStep(num_seqs, sampling_rows, None)
         if len(sampling_rows) == num_seqs and hidden.shape[0] == num_seqs:
             last_hidden = hidden  # decode: every row is its sequence's last token
         else:
             index = torch.from_numpy(cu_query[1:][sampling_rows] - 1)
             last_hidden = hidden[index.to(self.device, non_blocking=True)]
         logits = self.model.compute_logits(last_hidden)
-        sampled = self.sampler(logits, [scheduled[i].seq for i in sampling_rows])
-        if len(sampling_rows) == num_seqs:
-            return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors)
-        for row, i in enumerate(sampling_rows):
-            token_ids[i] = sampled.token_ids[row]
-            logprobs[i] = sampled.logprobs[row]
-            errors[i] = sampled.errors[row]
-        return StepResult(token_ids, logprobs, errors)
+        seqs = [scheduled[i].seq for i in sampling_rows]
+        sampled = self.sampler.sample(logits, seqs)
+        self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)
+        for row, seq in enumerate(seqs):
+            seq.sample_row = row
+        return LaunchedStep(num_seqs, sampling_rows, sampled)
+
+
+def _flat_input_ids(scheduled: list, cu_query: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The step's tokens, flattened, and for each the row of sampled_ids holding it when it is still in
+    flight (-1 otherwise). Only a sequence's newest token can be in flight, and only in a 1-token step."""
+    inflight = [i for i, s in enumerate(scheduled) if s.num_computed_tokens >= len(s.seq.token_ids)]
+    input_ids = np.fromiter(
+        itertools.chain.from_iterable(
+            s.seq.token_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens] or (0,)
+            for s in scheduled
+        ),
+        dtype=np.int64,
+        count=num_tokens,
+    )
+    src_rows = np.full(num_tokens, -1, dtype=np.int64)
+    if inflight:
+        src_rows[cu_query[inflight]] = [scheduled[i].seq.sample_row for i in inflight]
+    return input_ids, src_rows
 
 
 def _block_tables(block_lists: list[list[int]]) -> np.ndarray:

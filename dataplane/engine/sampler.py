@@ -22,6 +22,42 @@ class SamplerOutput:
     errors: list[str | None]
 
 
+class SampledBatch:
+    """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the
+    host once `result()` is called. The copy to the host is queued behind the sampling, so the host
+    can launch more work before it waits."""
+
+    def __init__(
+        self, token_ids: torch.Tensor, bad_rows: torch.Tensor, logprobs: tuple | None, params: list
+    ) -> None:
+        self.token_ids = token_ids
+        self._params = params
+        device_side = (torch.stack([token_ids, bad_rows.to(token_ids.dtype)]), *(logprobs or ()))
+        self._has_logprobs = logprobs is not None
+        if token_ids.device.type == "cuda":
+            self._host = tuple(_to_pinned_host(t) for t in device_side)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = device_side, None
+
+    def result(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        packed, *logprobs = self._host
+        token_list, bad_list = packed.tolist()
+        errors: list[str | None] = ["the model produced NaN logits" if bad else None for bad in bad_list]
+        logprob_dicts: list[dict[int, float] | None] = [None] * len(token_list)
+        if self._has_logprobs:
+            logprob_dicts = _logprob_dicts(token_list, *logprobs, self._params)
+        return SamplerOutput(token_ids=token_list, logprobs=logprob_dicts, errors=errors)
+
+
+def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -29,10 +65,13 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: float32 [N, vocab], row i for seqs[i]."""
-        num_rows = logits.shape[0]
+        """logits: float32 [N, vocab], row i for seqs[i]; waits for the tokens."""
+        return self.sample(logits, seqs).result()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
+        """Queues the sampling of one token per row (no wait on the device)."""
         params = [s.params for s in seqs]
         # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
         # Whether any row is bad is read back together with the tokens: one transfer per step.
@@ -48,13 +87,10 @@ class Sampler:
 
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
-
-        token_list, bad_list = torch.stack([token_ids, bad_rows.to(token_ids.dtype)]).tolist()
-        errors: list[str | None] = ["the model produced NaN logits" if bad else None for bad in bad_list]
-        logprob_dicts: list[dict[int, float] | None] = [None] * num_rows
+        logprobs = None
         if raw_logprobs is not None:
-            logprob_dicts = _gather_logprobs(raw_logprobs, token_ids, params, num_logprobs)
-        return SamplerOutput(token_ids=token_list, logprobs=logprob_dicts, errors=errors)
+            logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
+        return SampledBatch(token_ids, bad_rows, logprobs, params)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -136,23 +172,28 @@ def _request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
     return generator
 
 
-def _gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, params: list, num_logprobs: int
+def _top_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device: the chosen tokens' log-probabilities and the top num_logprobs (values, ids)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    if num_logprobs > 0:
+        top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    else:
+        top_values, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
+    return chosen, top_values, top_ids
+
+
+def _logprob_dicts(
+    token_list: list[int], chosen: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor, params: list
 ) -> list[dict[int, float] | None]:
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = (
-        logprobs.topk(num_logprobs, dim=-1)
-        if num_logprobs > 0
-        else (logprobs[:, :0], token_ids[:, None][:, :0])
-    )
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    token_list = token_ids.tolist()
+    chosen_list, value_lists, id_lists = chosen.tolist(), top_values.tolist(), top_ids.tolist()
     result: list[dict[int, float] | None] = []
     for i, p in enumerate(params):
         if p.logprobs is None:
             result.append(None)
             continue
-        entry = dict(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs], strict=True))
-        entry[token_list[i]] = chosen[i]
+        entry = dict(zip(id_lists[i][: p.logprobs], value_lists[i][: p.logprobs], strict=True))
+        entry[token_list[i]] = chosen_list[i]
         result.append(entry)
     return result

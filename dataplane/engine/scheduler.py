@@ -1,6 +1,8 @@
 """Decides, every step, which sequences run and how many tokens of each: continuous batching.
 
-Plain Python, no torch. One step mixes decodes and prefill chunks under a token budget. Running
+Plain Python, no torch. One step mixes decodes and prefill chunks under a token budget. A step is
+planned before the previous step's sampled tokens reach the host: a sequence's token in flight counts
+as one of its tokens (the model runner reads it on the device), and `update` later fills it in. Running
 sequences go first, in priority order (lower value first, then first come first served); when the KV
 cache runs out, the last of them (lowest priority, newest) is preempted: its blocks are freed and it is
 recomputed later from its tokens. Waiting requests are admitted in the same order while budget, sequence
@@ -23,11 +25,8 @@ class ScheduledSequence:
     # Tokens already in the KV cache before this step (prefix-cache hits included).
     num_computed_tokens: int
     num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's last token, so a new token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    # Whether this step reaches the sequence's last token, so a new token is sampled.
+    samples: bool
 
 
 @dataclass
@@ -85,7 +84,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_inflight and (
+                seq.length_exhausted or seq.num_tokens_with_inflight >= self.max_model_len
+            ):
+                i += 1  # its last token is in flight: `update` finishes it
+                continue
+            num_new = min(seq.num_tokens_with_inflight - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -95,7 +99,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, num_new))
+            self._plan(out, seq, seq.num_computed_tokens, num_new)
             budget -= num_new
             i += 1
 
@@ -107,6 +111,8 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
+            if seq.num_inflight:
+                break  # preempted with a token in flight: recomputed once `update` has it
             hit_block_ids, num_hit_tokens = self.block_manager.get_computed_blocks(seq)
             num_new = seq.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -121,24 +127,34 @@ class Scheduler:
             seq.num_computed_tokens = num_hit_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
-            out.scheduled.append(ScheduledSequence(seq, num_hit_tokens, num_new))
+            self._plan(out, seq, num_hit_tokens, num_new)
             budget -= num_new
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
+    def _plan(self, out: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int) -> None:
+        """Puts the sequence into this step; its computed tokens and tokens in flight count the step
+        as done, so that the next step can be planned before this one's tokens are known."""
+        samples = num_computed + num_new == seq.num_tokens_with_inflight
+        out.scheduled.append(ScheduledSequence(seq, num_computed, num_new, samples))
+        seq.num_computed_tokens = num_computed + num_new
+        if samples:
+            seq.num_inflight += 1
+
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        """Records a finished step. `sampled_token_ids` is aligned with `out.scheduled` (None where the
-        step sampled nothing). Returns the sequences that got a token, finished ones included."""
+        """Records a step's sampled tokens. `sampled_token_ids` is aligned with `out.scheduled` (None where
+        the step sampled nothing, or failed). Returns the sequences that got a token, finished ones
+        included. A sequence preempted since the step was planned still gets its token."""
         updated = []
         now = time.monotonic()
         finished = SequenceStatus.FINISHED
         max_model_len = self.max_model_len
         for item, token_id in zip(out.scheduled, sampled_token_ids, strict=True):
             seq = item.seq
-            if seq.status is finished:
+            if seq.status is finished or not item.samples:
                 continue
-            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            seq.num_inflight -= 1
             if token_id is None:
                 continue
             seq.append_token(token_id)

@@ -43,8 +43,13 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.status = SequenceStatus.WAITING
-        # Tokens whose K/V are in the cache.
+        # Tokens whose K/V are in the cache, or being computed by a launched step.
         self.num_computed_tokens = 0
+        # Tokens sampled by launched steps but not yet on the host (see LLMEngine.step: the next step
+        # is launched before the previous one's tokens are read back), and the row of the latest one in
+        # its step's sampled-token tensor, from which the next step reads its input id on the device.
+        self.num_inflight = 0
+        self.sample_row = -1
         # Tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
@@ -62,6 +67,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_inflight(self) -> int:
+        return len(self.token_ids) + self.num_inflight
+
+    @property
+    def length_exhausted(self) -> bool:
+        """Whether the tokens in flight already reach max_tokens: no step need run for it again."""
+        return len(self.output_token_ids) + self.num_inflight >= self.params.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

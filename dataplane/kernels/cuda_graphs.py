@@ -155,9 +155,18 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted({*sizes, max_batch_size})
 
 
+def take_inflight_ids(
+    input_ids: torch.Tensor, src_rows: torch.Tensor, sampled_ids: torch.Tensor
+) -> torch.Tensor:
+    """Input ids with each token still in flight (src_rows >= 0) read from the previous step's sampled
+    ids on the device: a step can be launched before the previous one's tokens reach the host."""
+    return torch.where(src_rows >= 0, sampled_ids[src_rows.clamp(min=0)], input_ids)
+
+
 def model_decode_runner(
     model: torch.nn.Module,
     kv_caches: list[torch.Tensor],
+    sampled_ids: torch.Tensor | None = None,
     *,
     max_batch_size: int,
     max_blocks_per_seq: int,
@@ -167,8 +176,10 @@ def model_decode_runner(
     """A runner for a CausalLM's decode steps (model(input_ids, positions, kv_caches, metadata)).
 
     run() takes input_ids, positions, slot_mapping, seq_lens [B] and block_tables [B, <= max_blocks];
-    query_start_loc stays 0..B (one token per sequence). Graphs need an attention backend that never
-    reads device data on the host ("triton"); with any other the runner runs eagerly.
+    query_start_loc stays 0..B (one token per sequence). With `sampled_ids`, run() also takes src_rows
+    [B]: where >= 0, the input id is sampled_ids[src_rows] (see take_inflight_ids). Graphs need an
+    attention backend that never reads device data on the host ("triton"); with any other the runner
+    runs eagerly.
     """
     from modelfleet.dataplane.attention.metadata import AttentionMetadata
 
@@ -182,6 +193,8 @@ def model_decode_runner(
         "seq_lens": torch.zeros(max_batch_size, dtype=torch.int32, device=device),
         "block_tables": torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device),
     }
+    if sampled_ids is not None:
+        buffers["src_rows"] = torch.full((max_batch_size,), -1, dtype=torch.long, device=device)
     # fixed so that the captured launch shapes (e.g. decode's KV splits) suit every later step
     max_seq_len = max_blocks_per_seq * block_size
 
@@ -194,7 +207,10 @@ def model_decode_runner(
             max_query_len=1,
             max_seq_len=max_seq_len,
         )
-        return model(views["input_ids"], views["positions"], kv_caches, metadata)
+        input_ids = views["input_ids"]
+        if sampled_ids is not None:
+            input_ids = take_inflight_ids(input_ids, views["src_rows"], sampled_ids)
+        return model(input_ids, views["positions"], kv_caches, metadata)
 
     backend = getattr(getattr(model, "attention_backend", None), "name", None)
     if enabled and backend != "triton":
@@ -204,7 +220,7 @@ def model_decode_runner(
         forward,
         buffers,
         batch_sizes or default_batch_sizes(max_batch_size),
-        pad_values={"slot_mapping": -1, "seq_lens": 0},
+        pad_values={"slot_mapping": -1, "seq_lens": 0, "src_rows": -1},
         static_inputs=lambda n: {"query_start_loc": torch.arange(n + 1, dtype=torch.int32, device=device)},
         enabled=enabled,
     )
