@@ -58,6 +58,7 @@ def build_preset(name: str, out_dir: str | Path, device: str) -> str:
     import transformers
 
     if (Path(out_dir) / "config.json").is_file():
+        write_word_tokenizer(out_dir, 128256)
         return str(out_dir)
     config = transformers.LlamaConfig(
         vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000,
@@ -67,10 +68,26 @@ def build_preset(name: str, out_dir: str | Path, device: str) -> str:
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
+    write_word_tokenizer(out_dir, config.vocab_size)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
     return str(out_dir)
+
+
+def write_word_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
+    """A tokenizer whose every id is a word ("t17"), so that any generated token has text: streamed
+    outputs of a random-weight model then carry text the way a real model's do (unless one is there)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = Path(out_dir)
+    if (out / "tokenizer.json").is_file():
+        return
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
