@@ -67,6 +67,17 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
     @property
+    def temperature_only(self) -> bool:
+        """Whether sampling needs nothing but the temperature (no filters, penalties or logprobs)."""
+        return (
+            self.top_k <= 0
+            and self.top_p == 1.0
+            and self.min_p == 0.0
+            and self.logprobs is None
+            and not self.has_penalties
+        )
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

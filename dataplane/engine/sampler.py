@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from modelfleet.dataplane.engine.sequence import Sequence
 
@@ -59,11 +60,19 @@ def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, *, fused: bool | None = None) -> None:
         self.device = device
         # Noise for requests without a seed of their own.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # One Triton kernel for batches that need only temperatures (see _sample_fused); None: where
+        # Triton runs.
+        if fused is None:
+            from modelfleet.dataplane.kernels import triton_usable
+
+            fused = device.type == "cuda" and triton_usable()
+        self.fused = fused
+        self._seeds = np.random.default_rng(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: float32 [N, vocab], row i for seqs[i]; waits for the tokens."""
@@ -73,6 +82,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         """Queues the sampling of one token per row (no wait on the device)."""
         params = [s.params for s in seqs]
+        if self.fused and all(p.temperature_only for p in params):
+            return self._sample_fused(logits, seqs, params)
         # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
         # Whether any row is bad is read back together with the tokens: one transfer per step.
         bad_rows = torch.isnan(logits).any(dim=1)
@@ -91,6 +102,25 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
         return SampledBatch(token_ids, bad_rows, logprobs, params)
+
+    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> SampledBatch:
+        """Greedy and temperature rows in one pass over the logits (Gumbel-max with counter-based noise).
+        A request with a seed draws from (its seed, the index of the token): batch-independent."""
+        from modelfleet.dataplane.kernels.sampling import sample_tokens
+
+        seeds = self._seeds.integers(1, 1 << 62, size=len(seqs))
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                index = seq.num_output_tokens + seq.num_inflight
+                seeds[i] = hash((seq.params.seed, index)) & ((1 << 62) - 1)
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        device = logits.device
+        token_ids, bad_rows = sample_tokens(
+            logits,
+            temperature.to(device, non_blocking=True),
+            torch.from_numpy(seeds).to(device, non_blocking=True),
+        )
+        return SampledBatch(token_ids, bad_rows, None, params)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.params for s in seqs]

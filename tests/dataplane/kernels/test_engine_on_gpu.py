@@ -45,3 +45,29 @@ def test_engine_on_gpu_with_triton_matches_cpu(device, tmp_path):
     cpu = LLM(model_dir, device="cpu", **settings)
     want = [o.token_ids for o in cpu.generate(prompts(), params)]
     assert got == want
+
+
+def test_fused_sampler_path_is_seeded_batch_independent_and_greedy_exact(device, tmp_path):
+    """Temperature-only batches take the one-kernel sampler: greedy rows still give the torch sampler's
+    argmax tokens, and a seeded request draws the same tokens alone and inside any batch."""
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    model_dir = tiny_llama(tmp_path / "llama")
+    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=8)
+    sampler = llm.engine.runner.sampler
+    assert sampler.fused
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    fused_greedy = [o.token_ids for o in llm.generate(prompts(), greedy)]
+    sampler.fused = False
+    assert fused_greedy == [o.token_ids for o in llm.generate(prompts(), greedy)]
+    sampler.fused = True
+
+    seeded = SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(prompts()[1], seeded)[0].token_ids
+    others = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True) for t in (0.0, 0.7, 1.3)]
+    batch = llm.generate(prompts()[:4], [others[0], seeded, others[1], others[2]])
+    assert batch[1].token_ids == alone
+    unseeded = [o.token_ids for o in llm.generate([prompts()[1]] * 4, others[2])]
+    assert len({tuple(t) for t in unseeded}) > 1  # unseeded rows draw different noise
