@@ -1,10 +1,11 @@
 """Kernel benchmark: Triton paged decode attention against the device's copy bandwidth and the torch
-backend, in the same run; plus the prefill kernel and the small fused ops against their torch versions,
-and one decode step of a Llama-3.2-1B-shaped model, eager against CUDA graphs, against its roofline.
+backend, in the same run; plus the prefill kernel, the small fused ops and the fused sampler against their
+torch versions, and one decode step of a Llama-3.2-1B-shaped model, eager against CUDA graphs, against
+its roofline.
 
 Prints one JSON line. Needs a CUDA GPU with Triton. Each timed call reads a different KV cache (several
 are rotated), so the numbers are not served from the L2 cache.
-    python bench/kernels.py [--dtype bfloat16] [--quick]
+    python bench/kernels.py [--dtype bfloat16] [--quick] [--sampler-only]
 """
 
 from __future__ import annotations
@@ -164,6 +165,76 @@ def bench_small_ops(dtype, device) -> list[dict]:
     return results
 
 
+SAMPLER_VOCAB = 128256  # Llama 3
+
+
+def torch_sampler_chain(logits: torch.Tensor, temperature: torch.Tensor | None):
+    """The unfused sampler: float copy, NaN check, then argmax or softmax / exponential noise / argmax."""
+    x = logits.float()
+    bad = torch.isnan(x).any(dim=1)
+    x = x.masked_fill(bad.unsqueeze(1), 0.0)
+    if temperature is None:
+        return x.argmax(dim=-1), bad
+    probs = torch.softmax(x / temperature.unsqueeze(1), dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    return (probs / noise).argmax(dim=-1), bad
+
+
+def bench_sampler(device, copy_gbps, batch_sizes=(1, 256), dtypes=(torch.float32, torch.bfloat16)) -> list:
+    """The fused sampling kernel against the torch chain, greedy and at temperature 1, for a 128k vocab:
+    eager (rotated inputs, launch costs included) and replayed from a CUDA graph (GPU time alone)."""
+    results = []
+    for dtype, rows in itertools.product(dtypes, batch_sizes):
+        row_bytes = SAMPLER_VOCAB * torch.finfo(dtype).bits // 8
+        count = max(2, min(256, ROTATE_BYTES // (rows * row_bytes)))
+        inputs = [torch.randn(rows, SAMPLER_VOCAB, device=device, dtype=dtype) for _ in range(count)]
+        for greedy in (True, False):
+            results.append(bench_sampler_case(inputs, greedy, copy_gbps))
+        del inputs
+        torch.cuda.empty_cache()
+    return results
+
+
+def bench_sampler_case(inputs: list[torch.Tensor], greedy: bool, copy_gbps: float) -> dict:
+    from modelfleet.dataplane.kernels.sampling import sample_tokens
+    from triton.testing import do_bench_cudagraph
+
+    rows, vocab = inputs[0].shape
+    device = inputs[0].device
+    temperature = torch.full((rows,), 0.0 if greedy else 1.0, device=device)
+    seeds = torch.arange(rows, device=device)
+
+    def ours(x):
+        return sample_tokens(x, temperature, seeds)
+
+    def chain(x):
+        return torch_sampler_chain(x, None if greedy else temperature)
+
+    ours_us, chain_us = median_us(ours, inputs), median_us(chain, inputs)
+    ours_graph_us = 1000 * do_bench_cudagraph(lambda: ours(inputs[0]), return_mode="median")
+    chain_graph_us = 1000 * do_bench_cudagraph(lambda: chain(inputs[0]), return_mode="median")
+    moved = inputs[0].numel() * inputs[0].element_size()
+    result = {
+        "op": "sampler",
+        "mode": "greedy" if greedy else "temperature_1",
+        "dtype": str(inputs[0].dtype).removeprefix("torch."),
+        "batch": rows,
+        "vocab": vocab,
+        "triton_us": round(ours_us, 1),
+        "torch_us": round(chain_us, 1),
+        "speedup_vs_torch": round(chain_us / ours_us, 2),
+        "triton_graph_us": round(ours_graph_us, 1),
+        "torch_graph_us": round(chain_graph_us, 1),
+        "graph_speedup_vs_torch": round(chain_graph_us / ours_graph_us, 2),
+        "triton_graph_gbps": round(moved / ours_graph_us / 1e3, 1),
+        "pct_of_copy_bandwidth": round(100 * moved / ours_graph_us / 1e3 / copy_gbps, 1),
+    }
+    if greedy:
+        want = inputs[0].float().argmax(dim=-1)
+        result["equals_torch_argmax"] = bool(torch.equal(ours(inputs[0])[0], want))
+    return result
+
+
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
     "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -277,12 +348,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one shape, two decode cases")
     parser.add_argument("--no-decode-step", action="store_true", help="skip the whole-model decode step")
     parser.add_argument("--decode-step-only", action="store_true", help="only the whole-model decode step")
+    parser.add_argument("--sampler-only", action="store_true", help="only the fused sampler against torch")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU with Triton; none found", file=sys.stderr)
         return 1
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     copy_gbps = copy_bandwidth_gbps(device)
+    if args.sampler_only:
+        line = {"bench": "kernels", "device": torch.cuda.get_device_name(device)}
+        line["copy_bandwidth_gbps"] = round(copy_gbps, 1)
+        print(json.dumps({**line, "sampler": bench_sampler(device, copy_gbps)}))
+        return 0
     if args.decode_step_only:
         print(json.dumps({"bench": "kernels", "decode_step": bench_decode_step(dtype, device, copy_gbps)}))
         return 0
@@ -305,6 +382,7 @@ def main() -> int:
         "decode_best_pct_of_copy_bandwidth": max(r["pct_of_copy_bandwidth"] for r in decode),
         "attention": results,
         "small_ops": bench_small_ops(dtype, device),
+        "sampler": bench_sampler(device, copy_gbps),
     }
     if not args.no_decode_step:
         line["decode_step"] = bench_decode_step(dtype, device, copy_gbps)

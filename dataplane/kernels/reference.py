@@ -110,3 +110,33 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] -> silu(x[..., :I]) * x[..., I:], as HF's Llama MLP rounds it."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def sample_tokens_native(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token of each row of logits [N, V]: the first index of the max where temperature <= 0,
+    else a Gumbel-max draw from softmax(logits / T): argmax_j(logits_j / T + g_j), g = -log(-log(u)).
+
+    The uniforms come from `generator` when given; otherwise row i's come from a generator seeded with
+    seeds[i], so that a row's token depends only on its seed and logits (not the same stream as the
+    kernel's Philox). Returns token_ids int64 [N] and nan_rows bool [N] (rows holding a NaN).
+    """
+    x = logits.float()
+    nan_rows = x.isnan().any(dim=-1)
+    if generator is not None:
+        u = torch.rand(x.shape, generator=generator, device=x.device)
+    else:
+        u = torch.empty_like(x)
+        for row, seed in enumerate(seeds.tolist()):
+            row_generator = torch.Generator(device=x.device).manual_seed(seed)
+            u[row] = torch.rand(x.shape[1], generator=row_generator, device=x.device)
+    u = u.clamp(2.0**-32, 1.0 - 2.0**-24)  # strictly inside (0, 1), so the noise is finite
+    gumbel = -torch.log(-torch.log(u))
+    greedy = temperature <= 0
+    safe_temperature = torch.where(greedy, 1.0, temperature.float())
+    scores = torch.where(greedy[:, None], x, x / safe_temperature[:, None] + gumbel)
+    return scores.argmax(dim=-1), nan_rows

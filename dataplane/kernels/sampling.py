@@ -1,0 +1,251 @@
+"""Next-token choice in one pass over the logits: greedy argmax or Gumbel-max sampling, with a NaN check.
+
+Greedy rows (temperature <= 0) get the first index of the row's max, exactly as `torch.argmax`. Sampling
+rows get argmax_j(logits_j / T + g_j) with g_j standard Gumbel noise, which is a draw from
+softmax(logits / T). The noise of column j comes from Triton's Philox keyed by the row's seed, with a
+counter that depends on j alone, so a row's token depends only on its seed and its logits: never on the
+other rows, the batch size, or how the vocabulary is split across programs.
+
+Two launches: programs (row, chunk) each reduce a slice of the vocabulary to its best (score, column)
+and a NaN flag; one small program per row then picks the best chunk. A single 128k row is thus read by
+many SMs, and a large batch streams through once. Nothing is read back to the host.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from modelfleet.dataplane.kernels.availability import next_power_of_2
+from triton.language.extra import libdevice
+
+# Columns per sub-block. One Philox call yields four uniforms, used by four consecutive sub-blocks of a
+# tile, so column c takes output (c // SUB) % 4 of counter (c // TILE) * SUB + c % SUB. The layout is a
+# constant (not tuned per shape): changing it changes every seed's tokens.
+_SUB = 512
+_TILE = 4 * _SUB
+# The uniforms are kept inside (0, 1): the smallest step of tl.rand is 2^-31, the largest float below 1
+# is 1 - 2^-24.
+_U_MIN = tl.constexpr(2.0**-32)
+_U_MAX = tl.constexpr(1.0 - 2.0**-24)
+_INT32_MAX = tl.constexpr(2**31 - 1)
+_INV_TEMPERATURE_MAX = tl.constexpr(3.0e38)
+# (row, chunk) programs to aim for per SM: enough to fill the GPU when a batch has few rows.
+_PROGRAMS_PER_SM = 4
+_NUM_WARPS = 4
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _log(x, FAST_LOG: tl.constexpr):
+    # The hardware approximation (relative error about 2^-22) is ample for noise, and the precise log
+    # would make the sampling pass compute-bound.
+    if FAST_LOG:  # noqa: SIM108  (a constexpr branch: only one side is compiled)
+        y = libdevice.fast_logf(x)
+    else:
+        y = tl.log(x)
+    return y
+
+
+@triton.jit
+def _scores(row_ptr, cols, col_end, u, inv_temperature, SAMPLE: tl.constexpr, FAST_LOG: tl.constexpr):
+    """Logits (float32) of `cols` and their scores: the logit itself, or logit * (1/T) + Gumbel noise."""
+    x = tl.load(row_ptr + cols, mask=cols < col_end, other=float("-inf")).to(tl.float32)
+    if SAMPLE:
+        u = tl.minimum(tl.maximum(u, _U_MIN), _U_MAX)
+        # E = -log(1 - u) is Exponential(1) (as -log(u) is); written this way the small E, which decide
+        # the winner, keep the fine resolution tl.rand has near 0. A series below 0.01, where 1 - u
+        # would round away most of u.
+        series = u * (1.0 + u * (0.5 + u * (0.3333333333 + u * (0.25 + u * 0.2))))
+        exponential = tl.where(u < 0.01, series, -_log(1.0 - u, FAST_LOG))
+        score = x * inv_temperature - _log(exponential, FAST_LOG)  # g = -log(E) is standard Gumbel
+    else:
+        score = x
+    return x, score
+
+
+@triton.jit
+def _keep_best(best, best_col, nan, x, score, cols):
+    # Strictly greater: for equal scores the earlier column (seen first in each lane) stays.
+    better = score > best
+    best = tl.where(better, score, best)
+    best_col = tl.where(better, cols, best_col)
+    nan = nan | (x != x).to(tl.int32)
+    return best, best_col, nan
+
+
+@triton.jit
+def _chunk_best(
+    row_ptr,
+    seed,
+    inv_temperature,
+    col_start,
+    col_end,
+    SAMPLE: tl.constexpr,
+    SUB: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
+    """Best score of columns [col_start, col_end) of one row, its first column, and whether any is NaN."""
+    lanes = tl.arange(0, SUB)
+    best = tl.full([SUB], float("-inf"), tl.float32)
+    best_col = tl.zeros([SUB], tl.int32)
+    nan = tl.zeros([SUB], tl.int32)
+    for tile_start in range(col_start, col_end, 4 * SUB):
+        if SAMPLE:
+            u0, u1, u2, u3 = tl.rand4x(seed, tile_start // 4 + lanes)
+        else:
+            unused = tl.zeros([SUB], tl.float32)
+            u0, u1, u2, u3 = unused, unused, unused, unused
+        # the four sub-blocks in column order, so that each lane meets its columns in increasing order
+        cols = tile_start + lanes
+        x, score = _scores(row_ptr, cols, col_end, u0, inv_temperature, SAMPLE, FAST_LOG)
+        best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
+        cols += SUB
+        x, score = _scores(row_ptr, cols, col_end, u1, inv_temperature, SAMPLE, FAST_LOG)
+        best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
+        cols += SUB
+        x, score = _scores(row_ptr, cols, col_end, u2, inv_temperature, SAMPLE, FAST_LOG)
+        best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
+        cols += SUB
+        x, score = _scores(row_ptr, cols, col_end, u3, inv_temperature, SAMPLE, FAST_LOG)
+        best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
+    top = tl.max(best, 0)
+    # A lane that saw only -inf keeps column 0, so an all -inf row gives 0, as torch.argmax does.
+    col = tl.min(tl.where(best == top, best_col, _INT32_MAX), 0)
+    return top, col, tl.max(nan, 0)
+
+
+@triton.jit
+def _chunk_kernel(
+    logits_ptr,
+    temperature_ptr,
+    seeds_ptr,
+    part_score_ptr,
+    part_col_ptr,
+    part_nan_ptr,
+    stride_row,
+    vocab,
+    chunk_cols,
+    num_chunks,
+    SUB: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    col_start = chunk * chunk_cols
+    col_end = tl.minimum(col_start + chunk_cols, vocab)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:
+        seed = tl.load(seeds_ptr + row)
+        # capped so that a logit of 0 stays 0 (not 0 * inf) for a vanishing temperature
+        inv_temperature = tl.minimum(1.0 / temperature, _INV_TEMPERATURE_MAX)
+        score, col, nan = _chunk_best(row_ptr, seed, inv_temperature, col_start, col_end, True, SUB, FAST_LOG)
+    else:
+        score, col, nan = _chunk_best(row_ptr, 0, 1.0, col_start, col_end, False, SUB, FAST_LOG)
+    slot = row * num_chunks + chunk
+    tl.store(part_score_ptr + slot, score)
+    tl.store(part_col_ptr + slot, col)
+    tl.store(part_nan_ptr + slot, nan)
+
+
+@triton.jit
+def _reduce_kernel(
+    part_score_ptr, part_col_ptr, part_nan_ptr, token_ptr, nan_rows_ptr, num_chunks, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    chunks = tl.arange(0, BLOCK)
+    mask = chunks < num_chunks
+    slots = row * num_chunks + chunks
+    score = tl.load(part_score_ptr + slots, mask=mask, other=float("-inf"))
+    col = tl.load(part_col_ptr + slots, mask=mask, other=0)
+    nan = tl.load(part_nan_ptr + slots, mask=mask, other=0)
+    top = tl.max(score, 0)
+    token = tl.min(tl.where(score == top, col, _INT32_MAX), 0)  # chunks hold increasing columns
+    tl.store(token_ptr + row, token.to(tl.int64))
+    tl.store(nan_rows_ptr + row, tl.max(nan, 0) != 0)
+
+
+def _fast_log_usable(device: torch.device) -> bool:
+    """libdevice's fast log exists on NVIDIA GPUs only (not ROCm, not Triton's CPU interpreter)."""
+    return device.type == "cuda" and torch.version.hip is None
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # Triton's interpreter on the CPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _device_key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_args(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(
+            f"sample_tokens: logits must be 2-D [num_rows, vocab], got shape {tuple(logits.shape)}"
+        )
+    if logits.dtype not in _DTYPES:
+        raise ValueError(f"sample_tokens: logits must be bfloat16, float16 or float32, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("sample_tokens: logits has an empty vocab dimension")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise ValueError("sample_tokens: logits needs a contiguous last (vocab) dimension; pass a copy")
+    rows = logits.shape[0]
+    for name, tensor, dtype in (("temperature", temperature, torch.float32), ("seeds", seeds, torch.int64)):
+        if tensor.shape != (rows,) or tensor.dtype != dtype:
+            raise ValueError(
+                f"sample_tokens: {name} must be {dtype} of shape ({rows},), "
+                f"got {tensor.dtype} of shape {tuple(tensor.shape)}"
+            )
+        if tensor.device != logits.device:
+            raise ValueError(f"sample_tokens: {name} must be on {logits.device}, like logits")
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token of each row of logits [N, V] (bf16/fp16/fp32, last dim contiguous, any row stride).
+
+    temperature: float32 [N], <= 0 for greedy; seeds: int64 [N], the key of each row's noise (the caller
+    makes each (row, step) seed unique). Returns token_ids int64 [N] and nan_rows bool [N] (True where the
+    row holds a NaN; its token is then some index in range), both on the logits' device, without any
+    host synchronisation (safe inside CUDA-graph capture once compiled).
+    """
+    _check_args(logits, temperature, seeds)
+    rows, vocab = logits.shape
+    device = logits.device
+    token_ids = torch.empty(rows, dtype=torch.int64, device=device)
+    nan_rows = torch.empty(rows, dtype=torch.bool, device=device)
+    if rows == 0:
+        return token_ids, nan_rows
+    tiles = triton.cdiv(vocab, _TILE)
+    wanted_chunks = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(_device_key(device)), rows)
+    tiles_per_chunk = triton.cdiv(tiles, max(1, min(tiles, wanted_chunks)))
+    num_chunks = triton.cdiv(tiles, tiles_per_chunk)
+    part_score = torch.empty(rows * num_chunks, dtype=torch.float32, device=device)
+    part_col = torch.empty(rows * num_chunks, dtype=torch.int32, device=device)
+    part_nan = torch.empty(rows * num_chunks, dtype=torch.int32, device=device)
+    _chunk_kernel[(rows, num_chunks)](
+        logits,
+        temperature.contiguous(),
+        seeds.contiguous(),
+        part_score,
+        part_col,
+        part_nan,
+        logits.stride(0),
+        vocab,
+        tiles_per_chunk * _TILE,
+        num_chunks,
+        SUB=_SUB,
+        FAST_LOG=_fast_log_usable(device),
+        num_warps=_NUM_WARPS,
+    )
+    _reduce_kernel[(rows,)](
+        part_score, part_col, part_nan, token_ids, nan_rows, num_chunks, BLOCK=next_power_of_2(num_chunks)
+    )
+    return token_ids, nan_rows
