@@ -8,6 +8,11 @@ from collections.abc import Callable
 import torch
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 
+# rotary(query, key, cos, sin) -> (query, key) rotated, e.g. a layers.RotaryEmbedding
+RotaryFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+
 
 class AttentionBackend(ABC):
     """Writes new K/V into a paged cache and computes attention reading K/V through block tables.
@@ -22,6 +27,24 @@ class AttentionBackend(ABC):
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         """key/value: [T, num_kv_heads, head_dim] -> kv_cache slots slot_mapping[T] (negative: skip)."""
+
+    def rope_and_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotary: RotaryFn,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates query [T, Hq, D] and key [T, Hkv, D] by `rotary(query, key, cos, sin)`, writes the
+        rotated key and value into kv_cache as write_kv does, and returns the rotated (query, key).
+        Backends may fuse the two steps where they know what `rotary` computes."""
+        query, key = rotary(query, key, cos, sin)
+        self.write_kv(key, value, kv_cache, slot_mapping)
+        return query, key
 
     @abstractmethod
     def forward(

@@ -59,8 +59,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = rotary(q, k, cos, sin)
-        self.backend.write_kv(k, v, kv_cache, attn_metadata.slot_mapping)
+        q, k = self.backend.rope_and_write_kv(q, k, v, rotary, cos, sin, kv_cache, attn_metadata.slot_mapping)
         out = self.backend.forward(
             q, kv_cache, attn_metadata, self.scale, key=k, value=v, sliding_window=self.sliding_window
         )
