@@ -5,7 +5,8 @@ longer query (prefill, chunked prefill, prefix-cached prompts, mixed batches) ta
 Neither reads data on the host, so a decode step can be captured in a CUDA graph. Importing this module
 needs neither Triton nor a GPU: the kernels load on first use, and the backend is registered (as
 "triton") only where Triton is installed. Where Triton can run, importing it also makes the Triton
-RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those model ops.
+RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those model ops; a model's
+rotary embedding and KV-cache write then run as one kernel (rope_and_write_kv).
 """
 
 from __future__ import annotations
@@ -13,11 +14,22 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-from modelfleet.dataplane.attention.backend import AttentionBackend, register_backend
+from modelfleet.dataplane.attention.backend import AttentionBackend, RotaryFn, register_backend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
+from modelfleet.dataplane.kernels import registry as triton_ops
 from modelfleet.dataplane.kernels.registry import register_triton_ops
+from modelfleet.dataplane.layers.rotary import RotaryEmbedding
+from modelfleet.dataplane.ops import get_op
 
 register_triton_ops()
+
+
+def _is_triton_rotary(rotary: RotaryFn, device_type: str) -> bool:
+    """Whether `rotary` would run the Triton neox rotary kernel, which the fused kernel reproduces: a
+    plain RotaryEmbedding (its scaling variants differ only in cos/sin) whose op is not overridden."""
+    return type(rotary) is RotaryEmbedding and (
+        get_op("rotary_embedding", device_type) is triton_ops.rotary_embedding
+    )
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -29,6 +41,23 @@ class TritonPagedAttention(AttentionBackend):
         from modelfleet.dataplane.kernels.kv_write import write_kv
 
         write_kv(key, value, kv_cache, slot_mapping)
+
+    def rope_and_write_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotary: RotaryFn,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _is_triton_rotary(rotary, query.device.type):
+            return super().rope_and_write_kv(query, key, value, rotary, cos, sin, kv_cache, slot_mapping)
+        from modelfleet.dataplane.kernels.rotary_kv_write import rotary_and_write_kv
+
+        return rotary_and_write_kv(query, key, value, cos, sin, kv_cache, slot_mapping)
 
     def forward(
         self,
