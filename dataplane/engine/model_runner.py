@@ -261,7 +261,8 @@ class ModelRunner:
         else:
             index = torch.from_numpy(cu_query[1:][sampling_rows] - 1)
             last_hidden = hidden[index.to(self.device, non_blocking=True)]
-        logits = self.model.compute_logits(last_hidden)
+        # The fused sampler reads the model dtype's logits once; the torch sampler converts them itself.
+        logits = self.model.compute_logits(last_hidden, float32=not self.sampler.fused)
         seqs = [scheduled[i].seq for i in sampling_rows]
         sampled = self.sampler.sample(logits, seqs)
         self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)

@@ -80,10 +80,12 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
-        """Queues the sampling of one token per row (no wait on the device)."""
+        """Queues the sampling of one token per row (no wait on the device). logits: [N, vocab], any
+        float dtype (the torch path computes in float32)."""
         params = [s.params for s in seqs]
         if self.fused and all(p.temperature_only for p in params):
             return self._sample_fused(logits, seqs, params)
+        logits = logits.float()
         # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
         # Whether any row is bad is read back together with the tokens: one transfer per step.
         bad_rows = torch.isnan(logits).any(dim=1)

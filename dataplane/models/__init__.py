@@ -4,7 +4,7 @@ CausalLM contract (used by the engine's model runner):
   .config: ModelConfig
   .forward(input_ids [T], positions [T], kv_caches: list of [2, num_blocks, block_size, Hkv, D],
            attn_metadata) -> hidden [T, hidden]
-  .compute_logits(hidden [N, hidden]) -> float32 logits [N, vocab]
+  .compute_logits(hidden [N, hidden], *, float32=True) -> logits [N, vocab] (float32, or model dtype)
 """
 
 from __future__ import annotations

@@ -155,11 +155,14 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden  # [T, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (matmul in the model dtype, as HF does)."""
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab]: float32, or in the model dtype with float32=False
+        (for a sampler that reads them once; the matmul is in the model dtype either way, as HF does)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Swap the attention implementation of every layer (e.g. for a graph-captured decode path)."""
