@@ -1,0 +1,297 @@
+"""Decode-linear benchmark: the Triton GEMV against F.linear (cuBLAS) on the Llama-3.2-1B and Llama-3-8B
+projection shapes, M = 1 token by default.
+
+Each measurement captures 20 back-to-back calls in one CUDA graph and replays it, so launch costs are those
+of a captured decode step; consecutive calls read different weight copies (more bytes than the L2 holds),
+as a model's consecutive layers do. Prints one JSON line: microseconds per call, weight-read TB/s, speedup.
+
+    python bench/gemv.py [--m 1 2 4] [--dtype bfloat16]
+    python bench/gemv.py --sweep [--budget-s 150] [--out results.json]   # time a grid of launch configs
+
+--sweep compiles the grid in parallel worker processes first (Triton's disk cache keeps the kernels), then
+times every config of every shape and M and reports the fastest; its winners are gemv.py's TUNED table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import multiprocessing
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (model, projection, N, K): the fused qkv, o, fused gate_up and down projections
+SHAPES = [
+    ("llama-1b", "qkv_proj", 3072, 2048),
+    ("llama-1b", "o_proj", 2048, 2048),
+    ("llama-1b", "gate_up_proj", 16384, 2048),
+    ("llama-1b", "down_proj", 2048, 8192),
+    ("llama-8b", "qkv_proj", 6144, 4096),
+    ("llama-8b", "o_proj", 4096, 4096),
+    ("llama-8b", "gate_up_proj", 28672, 4096),
+    ("llama-8b", "down_proj", 4096, 14336),
+    ("llama-8b", "lm_head", 128256, 4096),  # untied: it goes through the same op
+]
+CALLS_PER_GRAPH = 20
+ROTATE_BYTES = 256 << 20  # weight copies per shape until the set is ~5x the 50 MB L2
+REPLAYS = 7
+
+
+def weight_copies(n: int, k: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    count = max(1, min(CALLS_PER_GRAPH, math.ceil(ROTATE_BYTES / (n * k * dtype.itemsize))))
+    return [torch.randn(n, k, device=device).to(dtype) / math.sqrt(k) for _ in range(count)]
+
+
+def graph_us(call, weights: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Microseconds per call of `call(x, weight)`, CALLS_PER_GRAPH calls captured in one graph."""
+    order = [weights[i % len(weights)] for i in range(CALLS_PER_GRAPH)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in weights:  # compile and warm outside the capture
+            call(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in order:
+            call(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / CALLS_PER_GRAPH)
+    del graph
+    return statistics.median(times)
+
+
+def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def gemv_call(config=None):
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    return lambda x, w: gemv(x, w, config=config)
+
+
+def tbps(n: int, k: int, dtype: torch.dtype, us: float) -> float:
+    return round(n * k * dtype.itemsize / us / 1e6, 3)
+
+
+def compare(ms: list[int], dtype: torch.dtype, device: torch.device) -> dict:
+    from modelfleet.dataplane.kernels.gemv import default_config
+
+    rows = []
+    for (model, proj, n, k), m in itertools.product(SHAPES, ms):
+        weights = weight_copies(n, k, dtype, device)
+        x = torch.randn(m, k, device=device).to(dtype)
+        base = graph_us(cublas, weights, x)
+        ours = graph_us(gemv_call(), weights, x)
+        config = default_config(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
+        no_pdl = graph_us(gemv_call(dataclasses.replace(config, use_pdl=False)), weights, x)
+        rows.append(
+            {
+                "model": model,
+                "proj": proj,
+                "n": n,
+                "k": k,
+                "m": m,
+                "cublas_us": round(base, 2),
+                "gemv_us": round(ours, 2),
+                "gemv_without_pdl_us": round(no_pdl, 2),
+                "config": str(config),
+                "cublas_tbps": tbps(n, k, dtype, base),
+                "gemv_tbps": tbps(n, k, dtype, ours),
+                "speedup": round(base / ours, 3),
+            }
+        )
+        del weights
+        torch.cuda.empty_cache()
+    per_model = {}
+    for model in dict.fromkeys(s[0] for s in SHAPES):
+        for m in ms:
+            sel = [r for r in rows if r["model"] == model and r["m"] == m]
+            per_model[f"{model}_m{m}"] = {
+                "cublas_us": round(sum(r["cublas_us"] for r in sel), 2),
+                "gemv_us": round(sum(r["gemv_us"] for r in sel), 2),
+            }
+    return {"per_shape": rows, "per_layer_sum": per_model}
+
+
+# ---- --sweep: a grid of launch configurations per (shape, M) ----
+
+
+def sweep_configs(m: int, n: int, k: int) -> list:
+    from modelfleet.dataplane.kernels.gemv import MAX_ROWS_PER_PROGRAM, GemvConfig
+
+    rows = min(m, MAX_ROWS_PER_PROGRAM)
+    configs = []
+    for bn, bk, nw, at_end, split, pdl in itertools.product(
+        (1, 2, 4, 8, 16), (256, 512, 1024), (4, 8), (False, True), (1, 2, 4), (True, False)
+    ):
+        per_thread = rows * bn * bk / (32 * nw)  # fp32 accumulator (or product) registers per thread
+        if per_thread > 64 or per_thread < 2 or bk > k or k // split < 2 * bk:
+            continue
+        if nw == 8 and bn * bk < 8192:
+            continue
+        row_blocks = math.ceil(n / bn)
+        if (split > 1 and row_blocks >= 4 * 132) or row_blocks * split > 8192:
+            continue
+        configs.append(
+            GemvConfig(block_n=bn, block_k=bk, num_warps=nw, split_k=split, reduce_at_end=at_end, use_pdl=pdl)
+        )
+    return configs
+
+
+_WORKER_WEIGHTS: dict = {}
+
+
+def _compile_task(task) -> str | None:
+    m, config, dtype_name = task
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    dtype = getattr(torch, dtype_name)
+    try:
+        if dtype not in _WORKER_WEIGHTS:
+            _WORKER_WEIGHTS[dtype] = torch.randn(4096, 16384, device="cuda").to(dtype)
+        w = _WORKER_WEIGHTS[dtype]
+        gemv(torch.randn(m, w.shape[1], device="cuda").to(dtype), w, config=config)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # a config that does not compile is reported, not fatal
+        return f"{config}: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def precompile(tasks: list, workers: int) -> list[str]:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        return [e for e in pool.map(_compile_task, tasks, chunksize=4) if e]
+
+
+def sweep(
+    ms: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    budget_s: float,
+    workers: int,
+    progress_path: str | None,
+) -> dict:
+    t0 = time.monotonic()
+    grid = {(m, n, k): sweep_configs(m, n, k) for m in ms for _, _, n, k in SHAPES}
+    # one compile per distinct kernel: the shapes share their specialisations (N, K multiples of 16)
+    # (the split count only changes the small reduce kernel, compiled on first use)
+    tasks = sorted(
+        {
+            (m, dataclasses.replace(c, split_k=min(c.split_k, 2)), str(dtype).split(".")[1])
+            for (m, _, _), cs in grid.items()
+            for c in cs
+        },
+        key=str,
+    )
+    try:
+        compile_errors = precompile(tasks, workers)
+    except Exception as exc:  # the timing loop below compiles what is missing, only slower
+        compile_errors = [f"parallel compile failed: {type(exc).__name__}: {str(exc)[:300]}"]
+    compile_s = time.monotonic() - t0
+    results, skipped = [], 0
+    for m in ms:
+        for model, proj, n, k in SHAPES:
+            if time.monotonic() - t0 > budget_s:
+                skipped += 1
+                continue
+            weights = weight_copies(n, k, dtype, device)
+            x = torch.randn(m, k, device=device).to(dtype)
+            want = F.linear(x.float(), weights[0].float())
+            base = graph_us(cublas, weights, x)
+            timed = []
+            for config in grid[(m, n, k)]:
+                if time.monotonic() - t0 > budget_s:
+                    break
+                call = gemv_call(config)
+                try:
+                    err = (call(x, weights[0]).float() - want).abs().max().item()
+                    timed.append((graph_us(call, weights, x), err, config))
+                except Exception as exc:
+                    compile_errors.append(
+                        f"{config} at m={m} n={n} k={k}: {type(exc).__name__}: {str(exc)[:200]}"
+                    )
+            timed.sort(key=lambda t: t[0])
+            try:
+                default_us = graph_us(gemv_call(), weights, x)
+            except Exception as exc:
+                default_us = float("nan")
+                compile_errors.append(f"default config at m={m} n={n} k={k}: {type(exc).__name__}")
+            results.append(
+                {
+                    "model": model,
+                    "proj": proj,
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "cublas_us": round(base, 2),
+                    "default_us": round(default_us, 2),
+                    "tried": len(timed),
+                    "max_err": round(max((t[1] for t in timed), default=0.0), 5),
+                    "best": [
+                        {"us": round(us, 2), "tbps": tbps(n, k, dtype, us), "config": str(c)}
+                        for us, _, c in timed[:5]
+                    ],
+                }
+            )
+            del weights
+            torch.cuda.empty_cache()
+            if progress_path:  # keep what was measured if a later shape fails or time runs out
+                with open(progress_path, "w") as f:
+                    json.dump(results, f)
+    return {
+        "compile_s": round(compile_s, 1),
+        "kernels_compiled": len(tasks),
+        "errors": compile_errors[:20],
+        "shapes_skipped_for_time": skipped,
+        "results": results,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--m", type=int, nargs="+", default=[1], help="token counts (rows of x)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--sweep", action="store_true", help="time a grid of launch configurations")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="--sweep: stop timing after this")
+    parser.add_argument("--workers", type=int, default=14, help="--sweep: parallel compile processes")
+    parser.add_argument("--out", help="also write the result to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gemv.py: needs a CUDA GPU with Triton", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    if args.sweep:
+        progress = f"{args.out}.partial" if args.out else None
+        result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress)
+    else:
+        result = compare(args.m, dtype, device)
+    result = {"device": torch.cuda.get_device_name(device), "dtype": args.dtype, **result}
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

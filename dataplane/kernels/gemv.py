@@ -1,0 +1,343 @@
+"""GEMV for small-batch decode linears: y [M, N] = x [M, K] @ W.T (+ b) with M of a few tokens.
+
+At decode a linear is bound by reading its weight once, and cuBLAS's small-M GEMMs reach only 1.3 to 2.8
+TB/s of the device's ~3 TB/s. Here each program owns BLOCK_N weight rows (1 to 4 on the decode shapes:
+small row blocks put the most loads in flight) and streams them in BLOCK_K-wide vectorised loads, one tile
+ahead, with up to 4 rows of x riding along, one fp32 accumulator each. The first weight tile is loaded
+before the program waits for the previous kernel (programmatic dependent launch, Hopper and newer), since
+weights never depend on it. For shapes too narrow to fill the GPU, K can be split over SPLIT_K programs
+whose fp32 partial sums a second small kernel adds up (deterministic; no zeroed buffer to memset); on the
+Llama decode shapes the row blocks alone give enough programs and no split wins. The output is rounded
+once to x's dtype, as F.linear's is. The launch configuration is fixed per (M, N, K), so calls are
+CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from modelfleet.dataplane.kernels.availability import next_power_of_2
+
+NUM_SMS_FALLBACK = 132
+MAX_ROWS_PER_PROGRAM = 4  # rows of x one program multiplies (more rows: more programs along M)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows per program
+    block_k: int  # elements of each row loaded per iteration
+    num_warps: int
+    split_k: int = 1  # programs sharing one row block's K range
+    reduce_at_end: bool = False  # keep [BLOCK_N, BLOCK_K] accumulators, reduced once after the loop
+    use_pdl: bool = True  # programmatic dependent launch: load weights while the previous kernel finishes
+
+
+@triton.jit
+def _row_dot(
+    acc, w, x_ptrs, cols, k_end, row_ok, EVEN_K: tl.constexpr, MASK_M: tl.constexpr, AT_END: tl.constexpr
+):
+    """acc + w [BLOCK_N, BLOCK_K] (fp32) times one row of x at `cols`."""
+    if EVEN_K:
+        if MASK_M:
+            x = tl.load(x_ptrs + cols, mask=row_ok, other=0.0, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_ptrs + cols, eviction_policy="evict_last")
+    else:
+        x = tl.load(x_ptrs + cols, mask=(cols < k_end) & row_ok, other=0.0, eviction_policy="evict_last")
+    prod = w * x.to(tl.float32)[None, :]
+    if not AT_END:
+        prod = tl.sum(prod, axis=1)
+    return acc + prod
+
+
+@triton.jit
+def _store_row(
+    acc,
+    m,
+    M,
+    rows,
+    N,
+    out_ptr,
+    bias_ptr,
+    stride_om,
+    pid_k,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    AT_END: tl.constexpr,
+):
+    if AT_END:
+        acc = tl.sum(acc, axis=1)
+    mask = (rows < N) & (m < M)
+    if PARTIAL:  # fp32 partial sums laid out [SPLIT_K, M, N]
+        tl.store(out_ptr + (pid_k * M + m) * N + rows, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MASK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    REDUCE_AT_END: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the last block's rows past N re-read row N - 1 rather than masking every load; their sums are dropped
+    w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + m0.to(tl.int64) * stride_xm
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    # up to 4 rows of x, each with its own accumulator (one weight tile feeds them all)
+    if REDUCE_AT_END:
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc1 = acc0  # (only the first BLOCK_M are used)
+    acc2 = acc0
+    acc3 = acc0
+    # The first weight tile is loaded before waiting for the previous kernel (programmatic dependent
+    # launch): the weights never depend on it, only x does. Later tiles are loaded one iteration ahead.
+    cols = k_start + offs_k
+    if EVEN_K:
+        w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+    else:
+        w = tl.load(
+            w_rows + cols[None, :], mask=cols[None, :] < k_end, other=0.0, eviction_policy="evict_first"
+        )
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    for k in range(k_start, k_end, BLOCK_K):
+        cols = k + offs_k
+        ahead = cols + BLOCK_K
+        if EVEN_K:
+            w_next = tl.load(
+                w_rows + ahead[None, :], mask=k + BLOCK_K < k_end, other=0.0, eviction_policy="evict_first"
+            )
+        else:
+            w_next = tl.load(
+                w_rows + ahead[None, :], mask=ahead[None, :] < k_end, other=0.0, eviction_policy="evict_first"
+            )
+        wf = w.to(tl.float32)
+        acc0 = _row_dot(acc0, wf, x_rows, cols, k_end, m0 < M, EVEN_K, MASK_M, REDUCE_AT_END)
+        if BLOCK_M > 1:
+            acc1 = _row_dot(
+                acc1, wf, x_rows + stride_xm, cols, k_end, m0 + 1 < M, EVEN_K, MASK_M, REDUCE_AT_END
+            )
+        if BLOCK_M > 2:
+            acc2 = _row_dot(
+                acc2, wf, x_rows + 2 * stride_xm, cols, k_end, m0 + 2 < M, EVEN_K, MASK_M, REDUCE_AT_END
+            )
+        if BLOCK_M > 3:
+            acc3 = _row_dot(
+                acc3, wf, x_rows + 3 * stride_xm, cols, k_end, m0 + 3 < M, EVEN_K, MASK_M, REDUCE_AT_END
+            )
+        w = w_next
+    _store_row(acc0, m0, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END)
+    if BLOCK_M > 1:
+        _store_row(
+            acc1, m0 + 1, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END
+        )
+    if BLOCK_M > 2:
+        _store_row(
+            acc2, m0 + 2, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END
+        )
+    if BLOCK_M > 3:
+        _store_row(
+            acc3, m0 + 3, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END
+        )
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    partial_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _cfg(
+    block_n: int, block_k: int = 1024, reduce_at_end: bool = True, use_pdl: bool = True, num_warps: int = 4
+) -> GemvConfig:
+    return GemvConfig(block_n, block_k, num_warps, reduce_at_end=reduce_at_end, use_pdl=use_pdl)
+
+
+# Fastest per (N, K, rows of x) on an H100 (bf16, CUDA-graph replay, `bench/gemv.py --sweep`): the
+# Llama-3.2-1B and Llama-3-8B decode linears (fused qkv, o, fused gate_up, down; an untied 8B lm_head).
+# The runners-up were within a few percent; small row blocks win because they give the most loads in flight.
+TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    (3072, 2048, 1): _cfg(4, 512),
+    (2048, 2048, 1): _cfg(2),
+    (16384, 2048, 1): _cfg(2),
+    (2048, 8192, 1): _cfg(1, 512),
+    (6144, 4096, 1): _cfg(1, 512),
+    (4096, 4096, 1): _cfg(1, 512),
+    (28672, 4096, 1): _cfg(4),
+    (4096, 14336, 1): _cfg(1),
+    (128256, 4096, 1): _cfg(16, 512),
+    (3072, 2048, 2): _cfg(4, 512),
+    (2048, 2048, 2): _cfg(2),
+    (16384, 2048, 2): _cfg(4, use_pdl=False),
+    (2048, 8192, 2): _cfg(2),
+    (6144, 4096, 2): _cfg(8, 256),
+    (4096, 4096, 2): _cfg(8, 512),
+    (28672, 4096, 2): _cfg(4, use_pdl=False),
+    (4096, 14336, 2): _cfg(2),
+    (128256, 4096, 2): _cfg(16, 256, use_pdl=False),
+}
+
+
+@functools.cache
+def _pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return NUM_SMS_FALLBACK
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_FALLBACK) -> GemvConfig:
+    """The tuned configuration of a known shape, else the pattern the tuned ones share: 1024-wide K
+    tiles, 4 warps, and the widest row block that still gives every SM ~4 programs (K split if none does)."""
+    rows = min(m, MAX_ROWS_PER_PROGRAM)
+    tuned = TUNED.get((n, k, rows))
+    if tuned is not None:
+        return tuned
+    block_k = max(64, min(1024 // next_power_of_2(rows), next_power_of_2(k)))
+    block_n = next((bn for bn in (8, 4, 2) if triton.cdiv(n, bn) >= 4 * num_sms), 1)
+    split_k = 1
+    while (
+        triton.cdiv(n, block_n) * split_k < 2 * num_sms and k // (2 * split_k) >= 2 * block_k and split_k < 8
+    ):
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, split_k=split_k, reduce_at_end=True)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ weight.T (+ bias) for a few rows of x; weight [N, K] with contiguous rows."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"gemv: weight must be [N, {k}] to match x's last dim, got {list(weight.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError("gemv: weight needs contiguous rows (stride 1 along K)")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"gemv: x is {x.dtype} but weight is {weight.dtype}; cast one of them")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"gemv: bias must be [{n}], got {list(bias.shape)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*x.shape[:-1], n)
+    if k == 0:
+        return out.zero_().add_(bias if bias is not None else 0).reshape(*x.shape[:-1], n)
+    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    if cfg.block_n & (cfg.block_n - 1) or cfg.block_k & (cfg.block_k - 1):
+        raise ValueError(f"gemv: block_n and block_k must be powers of 2, got {cfg}")
+    rows_per_program = min(m, MAX_ROWS_PER_PROGRAM)
+    block_k = min(cfg.block_k, max(16, next_power_of_2(k)))
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    # each split gets a whole number of BLOCK_K tiles, so only the very end of K can be ragged
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partial = split_k > 1
+    target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
+    bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
+    use_pdl = cfg.use_pdl and _pdl_supported(x.device)
+    grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, rows_per_program))
+    _gemv_kernel[grid](
+        x2,
+        weight,
+        bias_arg,
+        target,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        PARTIAL=partial,
+        BLOCK_M=rows_per_program,
+        MASK_M=m % rows_per_program != 0,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        REDUCE_AT_END=cfg.reduce_at_end,
+        USE_PDL=use_pdl,
+        num_warps=cfg.num_warps,
+        launch_pdl=use_pdl,
+    )
+    if partial:
+        block = min(1024, next_power_of_2(n))
+        _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
+            target,
+            bias_arg,
+            out,
+            m,
+            n,
+            out.stride(0),
+            SPLIT_K=split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=4,
+        )
+    return out.reshape(*x.shape[:-1], n)
