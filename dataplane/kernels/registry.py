@@ -5,10 +5,15 @@ neither Triton nor a GPU (the kernel modules load on the first call), but is don
 """
 
 import torch
+import torch.nn.functional as F
 from modelfleet.dataplane.kernels.availability import triton_usable
 from modelfleet.dataplane.ops import register_op
 
 DEVICE_TYPE = "cuda"  # ROCm GPUs are torch "cuda" devices too, and Triton compiles for them
+# Up to this many tokens the GEMV beats cuBLAS on the decode linears (bench/gemv.py, H100: 1.03 to 1.36x
+# at 1 token); from 3 tokens on cuBLAS is faster, so larger batches keep F.linear.
+GEMV_MAX_TOKENS = 2
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,11 +44,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return kernel(x)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if (
+        x.dim() == 2
+        and x.shape[0] <= GEMV_MAX_TOKENS
+        and x.is_cuda
+        and weight.dtype in GEMV_DTYPES
+        and x.dtype == weight.dtype
+        and weight.is_contiguous()
+    ):
+        from modelfleet.dataplane.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 OPS = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "linear": linear,
 }
 
 
