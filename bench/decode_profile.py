@@ -1,10 +1,11 @@
-"""Where a decode step's time goes on the GPU: wall time, GPU busy time and the kernels, host time.
+"""Where a step's time goes on the GPU: wall time, GPU busy time and the kernels, host time.
 
-N sequences in steady decode (random prompts of --input-len, EOS ignored). After a warm-up, --steps
-engine steps run under torch.profiler: the sum of kernel times per step is the GPU's busy time, the
-rest of the wall time is the GPU waiting on the host. Then the same steps under cProfile give the
-host's Python functions. Prints one JSON line (per-step figures in ms, top kernels) and, with
---tables, the profiler's tables on stderr.
+N requests with random prompts of --input-len (EOS ignored) are prefilled, timed and profiled as a
+whole (steps, wall and GPU busy time, top kernels). Then, in steady decode after a warm-up, --steps
+engine steps run under torch.profiler: the sum of kernel times per step is the GPU's busy time, the rest
+of the wall time is the GPU waiting on the host. The same steps under cProfile give the host's Python
+functions. Prints one JSON line (per-step figures in ms, top kernels) and, with --tables, the profiler's
+tables on stderr.
 
     python bench/decode_profile.py --preset llama-3.2-1b --batch 1 --batch 256
 """
@@ -25,25 +26,54 @@ import torch
 from throughput import PRESETS, build_preset
 
 
-def start_decode(llm, batch: int, input_len: int, steps: int, temperature: float, vocab: int) -> None:
+def start_decode(llm, batch: int, input_len: int, steps: int, temperature: float, vocab: int) -> dict:
+    """Adds `batch` requests and runs their prefills (timed and profiled), then a few decode steps."""
     from modelfleet.dataplane import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
 
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=4 * steps + 64)
     for i in range(batch):
         llm.add_request(f"p{batch}-{i}", rng.integers(16, vocab, size=input_len).tolist(), params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.engine.scheduler.running) or (
-        llm.engine.scheduler.waiting
-    ):
-        llm.step()  # prefills
+    scheduler = llm.engine.scheduler
+    torch.cuda.synchronize()
+    start, num_steps = time.perf_counter(), 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while scheduler.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running
+        ):
+            llm.step()
+            num_steps += 1
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
     for _ in range(8):
         llm.step()  # warm-up decodes
+    kernels = kernel_times(prof)
+    return {
+        "steps": num_steps,
+        "tokens": batch * input_len,
+        "wall_ms": round(1e3 * wall, 2),
+        "gpu_busy_ms": round(sum(sum(v) for v in kernels.values()) / 1e3, 2),
+        "top_kernels_us": [[name[:90], round(sum(v), 1)] for name, v in top_kernels(kernels, 8)],
+    }
+
+
+def kernel_times(prof) -> dict[str, list[float]]:
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name, []).append(e.device_time)
+    return kernels
+
+
+def top_kernels(kernels: dict[str, list[float]], n: int) -> list:
+    return sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:n]
 
 
 def profile_batch(llm, batch: int, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    start_decode(llm, batch, args.input_len, args.steps, args.temperature, args.vocab)
+    prefill = start_decode(llm, batch, args.input_len, args.steps, args.temperature, args.vocab)
     torch.cuda.synchronize()
     walls = []
     for _ in range(args.steps):
@@ -54,12 +84,9 @@ def profile_batch(llm, batch: int, args) -> dict:
         for _ in range(args.steps):
             llm.step()
         torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(e.name, []).append(e.device_time)
+    kernels = kernel_times(prof)
     busy_us = sum(sum(v) for v in kernels.values()) / args.steps
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:18]
+    top = top_kernels(kernels, 18)
     if args.tables:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
 
@@ -77,6 +104,7 @@ def profile_batch(llm, batch: int, args) -> dict:
     wall_ms = 1e3 * float(np.median(walls))
     return {
         "batch": batch,
+        "prefill": prefill,
         "wall_ms_per_step": round(wall_ms, 3),
         "tokens_per_s": round(batch / wall_ms * 1e3, 1),
         "gpu_busy_ms_per_step": round(busy_us / 1e3, 3),
@@ -98,6 +126,7 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tables", action="store_true")
     args = parser.parse_args()
@@ -116,6 +145,7 @@ def main() -> int:
             max_num_seqs=max(args.batch),
             max_model_len=args.input_len + 4 * args.steps + 64,
             enable_prefix_caching=False,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             enforce_eager=args.enforce_eager,
         )
         result = {

@@ -8,6 +8,7 @@ sequence that stops on a sampled token has one more row computed for it that is 
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Callable
@@ -137,6 +138,12 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         # The step on the device whose tokens have not been read back yet.
         self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
+        if self.runner.device.type == "cuda":
+            # A full garbage collection scans every object alive (the libraries', the model's: tens of
+            # ms) and would stall the GPU in the middle of a step; what exists now lives as long as the
+            # engine, so it is left out of collections from here on.
+            gc.collect()
+            gc.freeze()
 
     @classmethod
     def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:
