@@ -168,6 +168,10 @@ class DecodeStepTimer:
             "decode_roofline_tokens_per_s": round(tokens / ideal, 1),
             "decode_pct_of_roofline": round(100 * ideal / measured, 1),
             "decode_time_share_of_engine_steps": round(measured / sum(s[3] for s in self.steps), 3),
+            "other_steps": len(self.steps) - len(decode),
+            "other_step_ms_mean": round(
+                1e3 * sum(s[3] for s in self.steps if not s[0]) / max(len(self.steps) - len(decode), 1), 3
+            ),
         }
 
 
