@@ -6,6 +6,8 @@ the block table with an online softmax, and either writes the final output (one 
 output plus its log-sum-exp, which a second small kernel merges. Splitting the KV lets long contexts fill
 the GPU when batch x KV heads is small. The split length is derived from each sequence's length inside the
 kernel, so the launch shape depends only on sizes, never on data (safe to capture in a CUDA graph).
+With programmatic dependent launch (Hopper and newer) both kernels are scheduled while their predecessor
+drains, wait for it before their first load, and release their successor once their inputs are read.
 """
 
 import functools
@@ -14,7 +16,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2
+from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 
 LOG2_E = 1.4426950408889634
 # Measured on an H100 (graph-replayed, so without launch gaps): at batch 1 and a 257-token context, 16
@@ -54,12 +56,15 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
 
+    if USE_PDL:  # q, the new K/V, the lengths and the block table come from earlier kernels (or copies)
+        tl.extra.cuda.gdc_wait()
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     # a sliding window of W keeps only the last W keys (the query sits at position seq_len - 1)
@@ -102,6 +107,8 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -132,10 +139,13 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
+    if USE_PDL:  # the partials are the split kernel's output
+        tl.extra.cuda.gdc_wait()
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -150,6 +160,8 @@ def _decode_merge_kernel(
         mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     total = tl.sum(weights, 0)
     merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
@@ -229,6 +241,7 @@ def decode_attention(
     if block_n is None:  # short splits waste less of a smaller tile
         short_splits = math.ceil(capacity / num_splits) <= 64
         block_n = 32 if short_splits or q.element_size() > 2 else 64
+    use_pdl = pdl_supported(q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -258,8 +271,10 @@ def decode_attention(
         BLOCK_N=block_n,
         ONE_SPLIT=one_split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_PDL=use_pdl,
         num_warps=num_warps,
         num_stages=num_stages or (3 if q.element_size() <= 2 else 2),
+        launch_pdl=use_pdl,
     )
     if not one_split:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -273,6 +288,8 @@ def decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=next_power_of_2(num_splits),
+            USE_PDL=use_pdl,
             num_warps=4 if head_dim * num_splits >= 2048 else 2,
+            launch_pdl=use_pdl,
         )
     return out

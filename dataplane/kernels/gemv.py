@@ -20,7 +20,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2
+from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 
 NUM_SMS_FALLBACK = 132
 MAX_ROWS_PER_PROGRAM = 4  # rows of x one program multiplies (more rows: more programs along M)
@@ -158,6 +158,8 @@ def _gemv_kernel(
                 acc3, wf, x_rows + 3 * stride_xm, cols, k_end, m0 + 3 < M, EVEN_K, MASK_M, REDUCE_AT_END
             )
         w = w_next
+    if USE_PDL:  # x is read: the next kernel may start its own prologue
+        tl.extra.cuda.gdc_launch_dependents()
     _store_row(acc0, m0, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END)
     if BLOCK_M > 1:
         _store_row(
@@ -228,16 +230,6 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 
 
 @functools.cache
-def _pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 (Hopper) or newer."""
-    return (
-        device.type == "cuda"
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
-
-
-@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return NUM_SMS_FALLBACK
@@ -300,7 +292,9 @@ def gemv(
     partial = split_k > 1
     target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
-    use_pdl = cfg.use_pdl and _pdl_supported(x.device)
+    # the PDL instructions are compiled in wherever PDL exists (the wait is a no-op in a kernel launched
+    # without it, and the trigger lets a PDL-launched successor start early either way)
+    pdl = pdl_supported(x.device)
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, rows_per_program))
     _gemv_kernel[grid](
         x2,
@@ -322,9 +316,9 @@ def gemv(
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         REDUCE_AT_END=cfg.reduce_at_end,
-        USE_PDL=use_pdl,
+        USE_PDL=pdl,
         num_warps=cfg.num_warps,
-        launch_pdl=use_pdl,
+        launch_pdl=cfg.use_pdl and pdl,
     )
     if partial:
         block = min(1024, next_power_of_2(n))

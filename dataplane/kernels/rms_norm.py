@@ -1,9 +1,14 @@
-"""Fused RMSNorm, optionally with the residual add in the same pass (one read, one or two writes)."""
+"""Fused RMSNorm, optionally with the residual add in the same pass (one read, one or two writes).
+
+With programmatic dependent launch (Hopper and newer) the kernel is scheduled while its predecessor
+drains: it loads its weight (never written by a previous kernel) first, then waits for the predecessor
+before touching x or the residual, and lets its own successor launch once it has read its row.
+"""
 
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2
+from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 
 
 @triton.jit
@@ -21,22 +26,27 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:  # x and the residual may come from the previous kernel
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_RESIDUAL:
         # round the sum to the model dtype first, as an unfused `x + residual` would
-        summed = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)).to(
-            residual_out_ptr.dtype.element_ty
-        )
+        summed = (x.to(tl.float32) + r).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
         x = summed
     h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / hidden_size + eps)
     normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -68,6 +78,7 @@ def rms_norm(
     rows = x2.shape[0]
     if rows:
         block = next_power_of_2(hidden_size)
+        use_pdl = pdl_supported(x.device)
         _rms_norm_kernel[(rows,)](
             x2,
             r2,
@@ -82,6 +93,8 @@ def rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            USE_PDL=use_pdl,
             num_warps=min(16, max(1, block // 512)),
+            launch_pdl=use_pdl,
         )
     return out if residual is None else (out, residual_out)

@@ -1,9 +1,14 @@
-"""Rotary position embedding, neox style (HF Llama's rotate_half: the two halves of each head rotate)."""
+"""Rotary position embedding, neox style (HF Llama's rotate_half: the two halves of each head rotate).
+
+With programmatic dependent launch (Hopper and newer) the kernel is scheduled while its predecessor
+drains and waits for it (`gdc_wait`) before its first load; it lets its own successor launch at once,
+since that one waits for this kernel's completion in turn.
+"""
 
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2
+from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 
 
 @triton.jit
@@ -78,8 +83,12 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    if USE_PDL:  # q, k, cos and sin all come from earlier kernels
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cos, sin = _load_cos_sin(cos_ptr, sin_ptr, stride_cos, stride_sin, token, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, cos, sin, num_heads,
@@ -119,6 +128,7 @@ def rotary_embedding(
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens:
+        use_pdl = pdl_supported(q.device)
         _rotary_kernel[(num_tokens,)](
             q,
             k,
@@ -142,6 +152,8 @@ def rotary_embedding(
             BLOCK_HALF=next_power_of_2(half),
             BLOCK_HQ=next_power_of_2(num_heads),
             BLOCK_HK=next_power_of_2(num_kv_heads),
+            USE_PDL=use_pdl,
             num_warps=4 if num_heads * head_dim >= 2048 else 1,
+            launch_pdl=use_pdl,
         )
     return q_out, k_out

@@ -3,12 +3,13 @@ straight to its slot, saving a launch and a re-read of K per layer (decode is la
 
 The rotation is rotary.py's `_rotate_heads`, so q and k round exactly as `rotary_embedding` does; the
 cache write stores what kv_write.py's `write_kv` would, and skips padding rows (negative slot) alike.
+Programmatic dependent launch as in rotary.py: wait before the first load, successor released at once.
 """
 
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2
+from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 from modelfleet.dataplane.kernels.rotary import _load_cos_sin, _rotate_heads, check_rotary_args
 
 
@@ -46,8 +47,12 @@ def _rotary_kv_write_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    if USE_PDL:  # q, k, v, cos, sin and the slots come from earlier kernels (or copies)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cos, sin = _load_cos_sin(cos_ptr, sin_ptr, stride_cos, stride_sin, token, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr, q_out_ptr, stride_qt, stride_qh, stride_qot, stride_qoh, token, cos, sin, num_heads,
@@ -121,6 +126,7 @@ def rotary_and_write_kv(
     if num_tokens == 0:
         return q_out, k_out
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    use_pdl = pdl_supported(q.device)
     _rotary_kv_write_kernel[(num_tokens,)](
         q,
         k,
@@ -154,6 +160,8 @@ def rotary_and_write_kv(
         BLOCK_HQ=next_power_of_2(num_heads),
         BLOCK_HK=next_power_of_2(num_kv_heads),
         PAGE_SIZE=kv_cache.shape[2],
+        USE_PDL=use_pdl,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        launch_pdl=use_pdl,
     )
     return q_out, k_out

@@ -8,7 +8,9 @@ other rows, the batch size, or how the vocabulary is split across programs.
 
 Two launches: programs (row, chunk) each reduce a slice of the vocabulary to its best (score, column)
 and a NaN flag; one small program per row then picks the best chunk. A single 128k row is thus read by
-many SMs, and a large batch streams through once. Nothing is read back to the host.
+many SMs, and a large batch streams through once. Nothing is read back to the host. With programmatic
+dependent launch (Hopper and newer) both are scheduled while their predecessor drains and wait for it
+before their first load.
 """
 
 import functools
@@ -16,7 +18,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2
+from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 from triton.language.extra import libdevice
 
 # Columns per sub-block. One Philox call yields four uniforms, used by four consecutive sub-blocks of a
@@ -129,12 +131,15 @@ def _chunk_kernel(
     num_chunks,
     SUB: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     col_start = chunk * chunk_cols
     col_end = tl.minimum(col_start + chunk_cols, vocab)
+    if USE_PDL:  # the logits, temperatures and seeds come from earlier kernels (or copies)
+        tl.extra.cuda.gdc_wait()
     temperature = tl.load(temperature_ptr + row)
     if temperature > 0:
         seed = tl.load(seeds_ptr + row)
@@ -143,6 +148,8 @@ def _chunk_kernel(
         score, col, nan = _chunk_best(row_ptr, seed, inv_temperature, col_start, col_end, True, SUB, FAST_LOG)
     else:
         score, col, nan = _chunk_best(row_ptr, 0, 1.0, col_start, col_end, False, SUB, FAST_LOG)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     slot = row * num_chunks + chunk
     tl.store(part_score_ptr + slot, score)
     tl.store(part_col_ptr + slot, col)
@@ -151,15 +158,26 @@ def _chunk_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_score_ptr, part_col_ptr, part_nan_ptr, token_ptr, nan_rows_ptr, num_chunks, BLOCK: tl.constexpr
+    part_score_ptr,
+    part_col_ptr,
+    part_nan_ptr,
+    token_ptr,
+    nan_rows_ptr,
+    num_chunks,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK)
     mask = chunks < num_chunks
     slots = row * num_chunks + chunks
+    if USE_PDL:  # the partials are the chunk kernel's output
+        tl.extra.cuda.gdc_wait()
     score = tl.load(part_score_ptr + slots, mask=mask, other=float("-inf"))
     col = tl.load(part_col_ptr + slots, mask=mask, other=0)
     nan = tl.load(part_nan_ptr + slots, mask=mask, other=0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     top = tl.max(score, 0)
     token = tl.min(tl.where(score == top, col, _INT32_MAX), 0)  # chunks hold increasing columns
     tl.store(token_ptr + row, token.to(tl.int64))
@@ -230,6 +248,7 @@ def sample_tokens(
     part_score = torch.empty(rows * num_chunks, dtype=torch.float32, device=device)
     part_col = torch.empty(rows * num_chunks, dtype=torch.int32, device=device)
     part_nan = torch.empty(rows * num_chunks, dtype=torch.int32, device=device)
+    use_pdl = pdl_supported(_device_key(device))
     _chunk_kernel[(rows, num_chunks)](
         logits,
         temperature.contiguous(),
@@ -243,9 +262,19 @@ def sample_tokens(
         num_chunks,
         SUB=_SUB,
         FAST_LOG=_fast_log_usable(device),
+        USE_PDL=use_pdl,
         num_warps=_NUM_WARPS,
+        launch_pdl=use_pdl,
     )
     _reduce_kernel[(rows,)](
-        part_score, part_col, part_nan, token_ids, nan_rows, num_chunks, BLOCK=next_power_of_2(num_chunks)
+        part_score,
+        part_col,
+        part_nan,
+        token_ids,
+        nan_rows,
+        num_chunks,
+        BLOCK=next_power_of_2(num_chunks),
+        USE_PDL=use_pdl,
+        launch_pdl=use_pdl,
     )
     return token_ids, nan_rows
