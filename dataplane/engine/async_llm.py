@@ -47,8 +47,7 @@ class AsyncLLM(ThreadedEngine):
                 logger.exception("engine step failed")
                 self._fail_all(RuntimeError(f"engine step failed: {exc}"))
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_all([(output.request_id, output) for output in outputs])
         # Closed: nothing will answer the requests still in flight, so end their streams loudly.
         self._commands.clear()
         self._fail_all(RuntimeError("AsyncLLM was closed"))
