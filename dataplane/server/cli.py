@@ -10,8 +10,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -81,9 +79,6 @@ def handle(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     print(f"modelfleet serve: http://{settings.host}:{settings.port}/v1 ({len(manifest.models)} model(s))")
-    # An engine thread waits for the GPU with the GIL released and needs it back as soon as a step
-    # ends; at the default 5 ms switch interval the HTTP event loop can keep it for longer than a step.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
 
