@@ -47,7 +47,8 @@ class AsyncLLM(ThreadedEngine):
                 logger.exception("engine step failed")
                 self._fail_all(RuntimeError(f"engine step failed: {exc}"))
                 continue
-            self._deliver_all([(output.request_id, output) for output in outputs])
+            for output in outputs:
+                self._deliver(output.request_id, output)
         # Closed: nothing will answer the requests still in flight, so end their streams loudly.
         self._commands.clear()
         self._fail_all(RuntimeError("AsyncLLM was closed"))

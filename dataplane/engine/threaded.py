@@ -109,22 +109,10 @@ class ThreadedEngine(ABC):
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        self._deliver_all([(request_id, item)])
-
-    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        """Hands a step's outputs over with one wake-up of each caller's event loop, not one per output
-        (each wake-up is a system call and a turn of the loop, per token of every stream)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], item))
-        for loop, batch in by_loop.items():
-            # RuntimeError: the caller's event loop is gone.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, batch)
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        # RuntimeError: the caller's event loop is gone.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
