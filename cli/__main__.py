@@ -1,4 +1,3 @@
 from modelfleet.cli.commands import main
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+raise SystemExit(main())
