@@ -139,11 +139,30 @@ class LLMEngine:
         # The step on the device whose tokens have not been read back yet.
         self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
         if self.runner.device.type == "cuda":
+            self._warm_up()
             # A full garbage collection scans every object alive (the libraries', the model's: tens of
             # ms) and would stall the GPU in the middle of a step; what exists now lives as long as the
             # engine, so it is left out of collections from here on.
             gc.collect()
             gc.freeze()
+
+    def _warm_up(self) -> None:
+        """Runs a few requests through every path of a step (a full-budget prefill chunk, its cached-
+        context continuation, short prompts joining running decodes, greedy and sampled tokens), so that
+        kernels are compiled and libraries have chosen their algorithms before the first real request,
+        rather than during it. Then forgets them: no cached prefix, no statistics."""
+        vocab = self.model_config.vocab_size
+        longest = min(self.config.max_num_batched_tokens + 37, self.max_model_len - 4)
+        lengths = sorted({max(longest, 1), min(5, longest), min(64, longest)}, reverse=True)
+        for i, length in enumerate(lengths):
+            prompt = [(j * 7919 + i) % vocab for j in range(length)]
+            params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=float(i % 2))
+            self.add_request(f"warm-up-{i}", prompt, params, stream=False)
+        while self.has_unfinished_requests() or self._launched is not None:
+            self.step()
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.num_query_tokens = self.block_manager.num_hit_tokens = 0
+        self.scheduler.num_preemptions = 0
 
     @classmethod
     def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:

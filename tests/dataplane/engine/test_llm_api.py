@@ -212,3 +212,21 @@ def test_kv_cache_is_sized_from_the_byte_budget_and_logged(tiny_model_dir, caplo
     assert capped.engine.runner.num_blocks == 2 * 4
     with pytest.raises(ValueError, match=r"^kv_cache_bytes:"):
         LLM(tiny_model_dir, kv_cache_bytes=block_bytes - 1, dtype="float32", device="cpu")
+
+
+def test_warm_up_leaves_no_trace(tiny_model_dir):
+    """GPU engines warm up at start (kernels compiled before the first request); afterwards the engine
+    is as if new: no requests, blocks all free, no cached prefix, no statistics, same greedy tokens."""
+    settings = dict(device="cpu", max_model_len=256, max_num_batched_tokens=64, kv_cache_bytes=1 << 22)
+    llm = LLM(tiny_model_dir, **settings)
+    llm.engine._warm_up()
+    stats = llm.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks
+    assert stats.prefix_cache_hit_rate == 0.0 and stats.num_preemptions == 0
+    assert not llm.engine.block_manager._cached  # nothing the warm-up computed is found again
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    fresh = LLM(tiny_model_dir, **settings)
+    assert (
+        llm.generate("Once upon a time", params)[0].token_ids
+        == fresh.generate("Once upon a time", params)[0].token_ids
+    )
