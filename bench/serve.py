@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 
@@ -65,7 +66,11 @@ async def run_load(send, prompts, rate: float, max_concurrency: int | None, seed
     return results, time.perf_counter() - started
 
 
-def http_sender(client: httpx.AsyncClient, model: str, output_len: int):
+def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len: int):
+    """Streams one completion per call. aiohttp, as `vllm bench serve` uses: an httpx client parsing
+    SSE fell behind a local server streaming ~4k tokens/s on two cores, and its own queueing showed up
+    as seconds of time to first token (bench/stream_overhead.py)."""
+
     async def send(prompt: list[int]) -> Result:
         body = {
             "model": model,
@@ -79,14 +84,14 @@ def http_sender(client: httpx.AsyncClient, model: str, output_len: int):
         result, start = Result(), time.perf_counter()
         last = start
         try:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                if response.status != 200:
+                    result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                     return result
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                async for raw in response.content:
+                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
                         continue
-                    chunk = json.loads(line[6:])
+                    chunk = json.loads(raw[6:])
                     if "error" in chunk:
                         result.error = chunk["error"]["message"]
                         return result
@@ -99,7 +104,7 @@ def http_sender(client: httpx.AsyncClient, model: str, output_len: int):
                         else:
                             result.itl.append(now - last)
                         last = now
-        except httpx.HTTPError as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
         result.e2e, result.ok = time.perf_counter() - start, True
@@ -236,10 +241,15 @@ async def run_baseline(model_dir: Path, args, prompts) -> dict:
     return summarize(results, duration, args.input_len)
 
 
+def http_session(max_connections: int) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections), timeout=aiohttp.ClientTimeout(total=600)
+    )
+
+
 async def run_http(url: str, model: str, args, prompts) -> dict:
-    limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts))
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        send = http_sender(client, model, args.output_len)
+    async with http_session(args.max_concurrency or len(prompts)) as session:
+        send = http_sender(session, url, model, args.output_len)
         await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm-up
         results, duration = await run_load(send, prompts, args.request_rate, args.max_concurrency, args.seed)
     return summarize(results, duration, args.input_len)

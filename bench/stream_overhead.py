@@ -1,0 +1,165 @@
+"""The HTTP server's own cost of streaming: its CPU time per streamed token, with the engine left out.
+
+A stand-in engine on AsyncLLM's delivery path (a thread handing each running request one token per
+--step-ms, as an engine step does) is served by the real app (routing, admission, metrics, spans, SSE)
+in a uvicorn subprocess; bench/serve.py's client streams completions from it at a fixed concurrency.
+Prints one JSON line: the server process's CPU microseconds per streamed token and what the client saw
+(throughput, TTFT, ITL). At 64 streams and a 3 ms step a server keeps up only below ~250 us per token.
+
+    python bench/stream_overhead.py --num-prompts 256 --max-concurrency 64 --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+from serve import free_port, http_sender, http_session, random_prompts, run_load, summarize
+from throughput import write_word_tokenizer
+
+VOCAB = 1000
+
+
+def stand_in_engine(folder: str, step_s: float):
+    from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+    from modelfleet.dataplane.engine.threaded import ThreadedEngine
+    from transformers import AutoTokenizer
+
+    class StandInEngine(ThreadedEngine):
+        """Each running request gets one token (" t<n>") per step; no model."""
+
+        max_model_len = 4096
+
+        def __init__(self) -> None:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._running: dict[str, tuple[list[int], int, list[int]]] = {}
+            self._lock = threading.Lock()
+            self._start("stand-in-engine")
+
+        def validate(self, prompt, params):
+            return list(prompt), params
+
+        def _add_command(self, request_id, prompt, priority, validated):
+            return ("add", request_id, validated)
+
+        def stats(self) -> EngineStats:
+            return EngineStats(len(self._running), 0, 0.0, 0.0, 1, 1)
+
+        def _run(self) -> None:
+            while not self._closed:
+                started = time.perf_counter()
+                while self._commands:
+                    command = self._commands.popleft()
+                    if command[0] == "add":
+                        (ids, params) = command[2]
+                        self._running[command[1]] = (ids, params.max_tokens, [])
+                    else:
+                        self._running.pop(command[1], None)
+                for request_id, (ids, max_tokens, out) in list(self._running.items()):
+                    token = len(out) + 1
+                    out.append(token)
+                    finished = len(out) == max_tokens
+                    self._deliver(
+                        request_id,
+                        RequestOutput(
+                            request_id, ids, text="", token_ids=list(out), new_text=f" t{token}",
+                            new_token_ids=[token], finish_reason="length" if finished else None,
+                            finished=finished,
+                        ),
+                    )  # fmt: skip
+                    if finished:
+                        del self._running[request_id]
+                time.sleep(max(step_s - (time.perf_counter() - started), 0.0))
+
+    return StandInEngine()
+
+
+def serve(port: int, step_ms: float) -> None:
+    import uvicorn
+    from modelfleet.dataplane.manifest import single_model_manifest
+    from modelfleet.dataplane.server.runtime import build_app
+    from modelfleet.dataplane.server.settings import ServerSettings
+
+    folder = tempfile.mkdtemp(prefix="stand-in-")
+    write_word_tokenizer(folder, VOCAB)
+    app = build_app(
+        ServerSettings(max_running=1024, max_tokens_limit=100_000),
+        single_model_manifest(folder, name="bench"),
+        loader=lambda spec: stand_in_engine(folder, step_ms / 1e3),
+        estimate_bytes=lambda spec: 0,
+    )
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=3.0)
+    parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_port:
+        serve(args.serve_port, args.step_ms)
+        return 0
+
+    port = free_port()
+    command = [sys.executable, str(Path(__file__).resolve()), "--serve-port", str(port)]
+    server = subprocess.Popen([*command, "--step-ms", str(args.step_ms)], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise SystemExit("error: the server did not become ready")
+            time.sleep(0.2)
+        prompts = random_prompts(args.num_prompts, args.input_len, VOCAB, seed=0)
+        process = psutil.Process(server.pid)
+
+        async def load() -> tuple[list, float, float]:
+            async with http_session(args.max_concurrency) as session:
+                send = http_sender(session, url, "bench", args.output_len)
+                await run_load(send, prompts[:4], float("inf"), None, 0)  # warm-up
+                before = sum(process.cpu_times()[:2])
+                results, duration = await run_load(send, prompts, float("inf"), args.max_concurrency, 0)
+                return results, duration, sum(process.cpu_times()[:2]) - before
+
+        results, duration, cpu_s = asyncio.run(load())
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    summary = summarize(results, duration, args.input_len)
+    tokens = sum(r.output_tokens for r in results if r.ok)
+    print(
+        json.dumps(
+            {
+                "bench": "stream_overhead",
+                "num_prompts": args.num_prompts,
+                "max_concurrency": args.max_concurrency,
+                "output_len": args.output_len,
+                "step_ms": args.step_ms,
+                "server_cpu_us_per_token": round(1e6 * cpu_s / max(tokens, 1), 1),
+                "client": summary,
+            }
+        )
+    )
+    return 0 if summary["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
