@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -24,6 +24,15 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """One output saying what this one and the later one of the same request say: the later one's
+        cumulative fields, both deltas."""
+        return replace(
+            later,
+            new_text=self.new_text + later.new_text,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+        )
 
 
 @dataclass

@@ -27,14 +27,24 @@ class Done:
 
 async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
     """A request's outputs as the engine thread queues them, up to the finished one (an exception queued
-    instead is raised). A consumer that leaves before the end (closed or cancelled) calls `abandon`."""
+    instead is raised). Outputs that piled up while the consumer was busy come as one: a server that
+    falls behind sends several tokens per chunk and catches up, instead of paying its per-chunk cost
+    for each. A consumer that leaves before the end (closed or cancelled) calls `abandon`."""
     finished = False
+    held: RequestOutput | BaseException | None = None  # taken from the queue, handed out next
     try:
         while True:
-            item = await queue.get()
+            item = held if held is not None else await queue.get()
+            held = None
             if isinstance(item, BaseException):
                 finished = True
                 raise item
+            while not item.finished and not queue.empty():
+                later = queue.get_nowait()
+                if isinstance(later, BaseException):
+                    held = later
+                    break
+                item = item.followed_by(later)
             finished = item.finished
             yield item
             if finished:

@@ -32,8 +32,11 @@ async def wait_idle(engine, timeout=10.0):
 
 async def test_streams_incremental_outputs_ending_with_finished(engine):
     outputs = await collect(engine, "Streaming works", SamplingParams(max_tokens=10, **GREEDY), "s1")
-    assert len(outputs) == 10
-    assert [len(o.new_token_ids) for o in outputs] == [1] * 10
+    # One output per step, unless outputs piled up while the consumer was busy: those come as one.
+    assert len(outputs) >= 2 and all(o.new_token_ids for o in outputs)
+    assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids and len(
+        outputs[-1].token_ids
+    ) == 10
     assert outputs[-1].finished and outputs[-1].finish_reason == "length"
     assert not any(o.finished for o in outputs[:-1])
     assert "".join(o.new_text for o in outputs) == outputs[-1].text
