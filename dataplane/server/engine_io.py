@@ -84,10 +84,11 @@ async def _one(engine: Any, index: int, prompt: list[int], params: SamplingParam
         raise BadRequest(str(exc)) from None
 
 
-async def merged_events(
+def merged_events(
     engine: Any, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
 ) -> AsyncIterator[ChoiceEvent]:
-    """Events of all choices (index = prompt_index * n + sample_index), in arrival order."""
+    """Events of all choices (index = prompt_index * n + sample_index), in arrival order. One choice
+    (the common case) is its own stream: no layer in between to pass every token through."""
     subs = []
     for p_index, prompt in enumerate(prompts):
         for s_index in range(n):
@@ -98,11 +99,13 @@ async def merged_events(
             subs.append((p_index * n + s_index, prompt, sub_params))
     if len(subs) == 1:
         index, prompt, sub_params = subs[0]
-        async with contextlib.aclosing(_one(engine, index, prompt, sub_params, request_id)) as stream:
-            async for event in stream:
-                yield event
-        return
+        return _one(engine, index, prompt, sub_params, request_id)
+    return _interleaved(engine, subs, request_id)
 
+
+async def _interleaved(
+    engine: Any, subs: list[tuple[int, list[int], SamplingParams]], request_id: str
+) -> AsyncIterator[ChoiceEvent]:
     queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
     async def pump(index: int, prompt: list[int], sub_params: SamplingParams) -> None:
