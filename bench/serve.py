@@ -35,6 +35,21 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    last: float = 0.0
+
+    def arrived(self) -> None:
+        """Tokens arrived now: the first token's latency, or one more inter-token gap."""
+        now = time.perf_counter()
+        if self.ttft == 0.0:
+            self.ttft = now - self.started
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+
+    def done(self) -> Result:
+        self.e2e, self.ok = time.perf_counter() - self.started, True
+        return self
 
 
 def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -81,8 +96,7 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        result, start = Result(), time.perf_counter()
-        last = start
+        result = Result()
         try:
             async with session.post(f"{url}/v1/completions", json=body) as response:
                 if response.status != 200:
@@ -98,17 +112,11 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
                     if chunk.get("usage"):
                         result.output_tokens = chunk["usage"]["completion_tokens"]
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        now = time.perf_counter()
-                        if result.ttft == 0.0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
+                        result.arrived()
         except (TimeoutError, aiohttp.ClientError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
-        result.e2e, result.ok = time.perf_counter() - start, True
-        return result
+        return result.done()
 
     return send
 
@@ -120,19 +128,12 @@ def engine_sender(engine, output_len: int):
     counter = iter(range(1 << 62))
 
     async def send(prompt: list[int]) -> Result:
-        result, start = Result(), time.perf_counter()
-        last = start
+        result = Result()
         async for output in engine.generate(prompt, params, request_id=f"bench-{next(counter)}"):
             if output.new_token_ids:
-                now = time.perf_counter()
-                if result.ttft == 0.0:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
+                result.arrived()
             result.output_tokens = len(output.token_ids)
-        result.e2e, result.ok = time.perf_counter() - start, True
-        return result
+        return result.done()
 
     return send
 

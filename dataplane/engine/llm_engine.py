@@ -233,7 +233,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         launched = None
         if scheduled is not None and not scheduled.is_empty:
-            if self._launched is not None and any(s.seq.params.has_penalties for s in scheduled.scheduled):
+            if self._launched is not None and any(s.seq.has_penalties for s in scheduled.scheduled):
                 # Penalties read the sequence's tokens on the host: the previous step's first.
                 outputs = self._process(*self._launched)
                 self._launched = None

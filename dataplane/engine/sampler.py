@@ -83,7 +83,7 @@ class Sampler:
         """Queues the sampling of one token per row (no wait on the device). logits: [N, vocab], any
         float dtype (the torch path computes in float32)."""
         params = [s.params for s in seqs]
-        if self.fused and all(p.temperature_only for p in params):
+        if self.fused and all(s.temperature_only for s in seqs):
             return self._sample_fused(logits, seqs, params)
         logits = logits.float()
         # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
@@ -95,7 +95,7 @@ class Sampler:
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
 
-        if any(p.has_penalties for p in params):
+        if any(s.has_penalties for s in seqs):
             logits = apply_penalties(logits, seqs)
 
         greedy = [p.greedy for p in params]
@@ -161,9 +161,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if not p.has_penalties:
+        if not seq.has_penalties:
             continue
+        p = seq.params
         row = logits[i]
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(seq.token_ids, device=device, dtype=torch.long).unique()

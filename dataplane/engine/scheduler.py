@@ -84,10 +84,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_inflight and (
-                seq.length_exhausted or seq.num_tokens_with_inflight >= self.max_model_len
-            ):
-                i += 1  # its last token is in flight: `update` finishes it
+            if seq.last_token_in_flight(self.max_model_len):
+                i += 1  # `update` finishes it
                 continue
             num_new = min(seq.num_tokens_with_inflight - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):

@@ -55,6 +55,10 @@ class Sequence:
         self.block_ids: list[int] = []
         # Chained hashes of this sequence's full blocks, computed once each.
         self.block_hashes: list[int] = []
+        # Read for every sequence on every step, so taken from the parameters once: whether sampling
+        # needs only temperatures (the fused sampler) and whether penalties read the tokens on the host.
+        self.temperature_only = params.temperature_only
+        self.has_penalties = params.has_penalties
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
@@ -72,10 +76,14 @@ class Sequence:
     def num_tokens_with_inflight(self) -> int:
         return len(self.token_ids) + self.num_inflight
 
-    @property
-    def length_exhausted(self) -> bool:
-        """Whether the tokens in flight already reach max_tokens: no step need run for it again."""
-        return len(self.output_token_ids) + self.num_inflight >= self.params.max_tokens
+    def last_token_in_flight(self, max_model_len: int) -> bool:
+        """Whether a token in flight already reaches max_tokens or max_model_len: no step need run for
+        the sequence again (check_stop ends it once the token is known)."""
+        inflight = self.num_inflight
+        return inflight > 0 and (
+            len(self.output_token_ids) + inflight >= self.params.max_tokens
+            or len(self.token_ids) + inflight >= max_model_len
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
