@@ -117,7 +117,9 @@ def _chunk_best(
     return top, col, tl.max(nan, 0)
 
 
-@triton.jit
+# The number of chunks follows the batch size; specializing on it (divisible by 16 or not) would compile
+# another variant in the middle of serving the first time a batch of a new kind comes.
+@triton.jit(do_not_specialize=["num_chunks"])
 def _chunk_kernel(
     logits_ptr,
     temperature_ptr,
@@ -156,7 +158,7 @@ def _chunk_kernel(
     tl.store(part_nan_ptr + slot, nan)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _reduce_kernel(
     part_score_ptr,
     part_col_ptr,
@@ -273,7 +275,8 @@ def sample_tokens(
         token_ids,
         nan_rows,
         num_chunks,
-        BLOCK=next_power_of_2(num_chunks),
+        # sized for the vocabulary, not the batch: one compiled variant per model
+        BLOCK=next_power_of_2(tiles),
         USE_PDL=use_pdl,
         launch_pdl=use_pdl,
     )

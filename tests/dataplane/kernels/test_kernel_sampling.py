@@ -264,6 +264,33 @@ def test_replays_inside_a_cuda_graph(device):
 
 
 @gpu
+def test_a_new_batch_size_compiles_nothing(device):
+    """Prefill steps sample any number of rows; a row count of a new kind (one, odd, a multiple of 16)
+    must reuse the compiled kernels, or its first step stalls for a compilation in the middle of serving."""
+    from modelfleet.dataplane.kernels import sampling
+
+    if device.type != "cuda":
+        pytest.skip("counts compiled variants of CUDA kernels")
+
+    def compiled() -> int:
+        return sum(
+            len(entry[0])
+            for k in (sampling._chunk_kernel, sampling._reduce_kernel)
+            for entry in k.device_caches.values()
+        )
+
+    def run(rows: int) -> None:
+        temperature = torch.tensor([0.0, 0.7] * rows, device=device)[:rows]
+        sample(random_logits(rows, LLAMA3_VOCAB, torch.bfloat16, device), temperature, distinct_seeds(rows))
+
+    run(5)
+    before = compiled()
+    for rows in (1, 2, 3, 16, 17, 64, 100, 256, 513):
+        run(rows)
+    assert compiled() == before
+
+
+@gpu
 def test_rejects_bad_arguments(device):
     from modelfleet.dataplane.kernels.sampling import sample_tokens
 
