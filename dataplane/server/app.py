@@ -67,7 +67,9 @@ def create_app(dataplane: DataPlane, *, lifespan=None) -> FastAPI:
     return app
 
 
-def _caller(request: Request) -> Principal:
+async def _caller(request: Request) -> Principal:
+    # async: a sync dependency would hop to the thread pool and back on every request, for a stat and
+    # a hash
     keys = request.app.state.dataplane.keys
     keys.refresh()
     return keys.authenticate(request.headers.get("authorization"))

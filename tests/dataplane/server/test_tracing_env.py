@@ -34,6 +34,10 @@ def test_exporter_from_env(monkeypatch, env, expected):
     provider = provider_from_env()
     try:
         assert exporters(provider) == expected
+        # spans nobody would receive are not recorded
+        span = provider.get_tracer("test").start_span("request")
+        assert span.is_recording() == bool(expected)
+        span.end()
         assert provider.resource.attributes["service.name"] == "pod-a"
     finally:
         provider.shutdown()
