@@ -106,7 +106,7 @@ class LLMEngine:
         if not config.enable_chunked_prefill:
             check_prefill_fits(config.max_num_batched_tokens, max_model_len)
 
-        self.tokenizer = _load_tokenizer(AutoTokenizer, config.model)
+        self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         # Encoding from several threads at once trips the fast tokenizer's internal borrow checks.
         self._tokenizer_lock = threading.Lock()
         self.runner = ModelRunner(config, max_model_len)
@@ -349,7 +349,7 @@ class LLMEngine:
         )
 
 
-def _load_tokenizer(auto_tokenizer: Any, model_dir: str) -> Any:
+def load_tokenizer(auto_tokenizer: Any, model_dir: str) -> Any:
     """The checkpoint's tokenizer, or None for a checkpoint without one (token ids in and out only)."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((Path(model_dir) / name).exists() for name in names):

@@ -1,7 +1,8 @@
 """The real version loader for the model manager: an engine per version, sized for the memory budget.
 
-A torch checkpoint (safetensors) gets an `AsyncLLM`; an ONNX artifact (manifest.json says format "onnx",
-or *.onnx files without safetensors) gets an `AsyncOnnxEngine`.
+A torch checkpoint (safetensors) gets an `AsyncLLM`, or on a GPU an `AsyncLLMProcess` (the engine loop
+in its own process, so that the server's event loop never holds up a step); an ONNX artifact
+(manifest.json says format "onnx", or *.onnx files without safetensors) gets an `AsyncOnnxEngine`.
 """
 
 from __future__ import annotations
@@ -45,9 +46,29 @@ def load_engine(spec: VersionSpec) -> Any:
             from modelfleet.dataplane.onnx_engine import AsyncOnnxEngine
 
             return AsyncOnnxEngine(str(artifact), **engine_kwargs(spec))
+        kwargs = engine_kwargs(spec)
+        if engine_in_own_process(kwargs.get("device"), torch_cuda_available()):
+            from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
+
+            return AsyncLLMProcess(str(artifact), **kwargs)
         from modelfleet.dataplane import AsyncLLM
 
-        return AsyncLLM(str(artifact), **engine_kwargs(spec))
+        return AsyncLLM(str(artifact), **kwargs)
+
+
+def engine_in_own_process(device: Any, cuda_available: bool) -> bool:
+    """GPU engines step in their own process: there a step is a few milliseconds, and sharing the
+    interpreter lock with the HTTP event loop (tens of microseconds per streamed token) would leave
+    the GPU waiting. A CPU engine's step is long and mostly outside the lock: it stays a thread."""
+    if device is None or device == "auto":
+        return cuda_available
+    return str(device).split(":")[0] == "cuda"  # ROCm GPUs are torch "cuda" devices too
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def estimate_engine_bytes(spec: VersionSpec) -> int:

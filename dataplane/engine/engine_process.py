@@ -1,0 +1,189 @@
+"""AsyncLLMProcess: the engine loop in a process of its own, streamed to asyncio callers like AsyncLLM.
+
+In one process the engine thread and the HTTP server's event loop share one interpreter lock: every
+token of every stream costs the event loop tens of microseconds of Python, the engine's step waits for
+the lock behind it, and the GPU idles. Here the engine steps in a child process (spawned: CUDA cannot
+be forked) and the caller's process only checks requests, tokenizes and serves.
+
+Parent and child talk over one pipe. Parent -> child: ("add", request_id, priority, (token_ids, params)),
+("abort", request_id), ("close",). Child -> parent: ("ready", info), ("outputs", [RequestOutput], stats),
+("refused", request_id, message), ("failed", message) when a step raised, ("error", message) when the
+engine could not be built. A reader thread in the parent delivers outputs to the requests' streams; if
+the child dies, every open stream ends with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import multiprocessing
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from modelfleet.dataplane.engine.llm_engine import Prompt, check_request, encode_prompt
+from modelfleet.dataplane.engine.outputs import EngineStats
+from modelfleet.dataplane.engine.threaded import ThreadedEngine
+from modelfleet.dataplane.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process could not start, or stopped."""
+
+
+class AsyncLLMProcess(ThreadedEngine):
+    def __init__(self, model: str | Path, **engine_config: Any) -> None:
+        from modelfleet.dataplane.config import EngineConfig
+        from modelfleet.dataplane.engine.llm_engine import load_tokenizer
+        from transformers import AutoTokenizer
+
+        config = EngineConfig.from_kwargs(model, **engine_config)  # bad settings fail here, not in the child
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=run_engine_process, args=(child_conn, config), name="modelfleet-engine", daemon=True
+        )
+        self._process.start()
+        child_conn.close()
+        kind, info = self._receive_start()
+        if kind != "ready":
+            self._process.join(timeout=30)
+            raise EngineProcessError(f"the engine process could not start: {info}")
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self._stats: EngineStats = info["stats"]
+        self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
+        self._tokenizer_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._start("modelfleet-engine-io")
+        # What exists now (the libraries, the server) lives as long as the process: leave it out of
+        # full collections, which would otherwise scan it all and stall the event loop for tens of ms.
+        gc.collect()
+        gc.freeze()
+
+    def _receive_start(self) -> tuple[str, Any]:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            return "error", f"it exited with code {self._process.exitcode} before it was ready"
+
+    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        return check_request(
+            prompt,
+            params,
+            tokenize=lambda p: encode_prompt(p, self.tokenizer, self._tokenizer_lock),
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+
+    def stats(self) -> EngineStats:
+        """As of the engine's latest step."""
+        return self._stats
+
+    def _add_command(
+        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
+    ) -> tuple:
+        return ("add", request_id, priority, validated)
+
+    def _submit(self, command: tuple) -> None:
+        # Straight to the child: no thread of this process has to wake for it.
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except (OSError, ValueError):  # the child is gone; the reader thread fails the streams
+            pass
+
+    def _run(self) -> None:
+        """Reader thread: the child's messages to the requests' streams."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "outputs":
+                _, outputs, self._stats = message
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+            elif kind == "refused":
+                self._deliver(message[1], ValueError(message[2]))
+            elif kind == "failed":
+                logger.error("engine step failed: %s", message[1])
+                self._fail_all(RuntimeError(f"engine step failed: {message[1]}"))
+        if not self._closed:
+            logger.error("the engine process exited (code %s)", self._process.exitcode)
+        self._fail_all(EngineProcessError("the engine process stopped"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, exc)
+
+    def close(self) -> None:
+        self._closed = True
+        self._submit(("close",))
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=10)
+        self._conn.close()
+        self._thread.join(timeout=30)
+
+
+def run_engine_process(conn: Connection, config: Any) -> None:
+    """The child's main: build the engine, then step it, applying commands between steps."""
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    info = {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
+    conn.send(("ready", {**info, "stats": engine.stats()}))
+    with contextlib.suppress(EOFError, OSError):  # the parent is gone
+        _serve(conn, engine)
+
+
+def _serve(conn: Connection, engine: Any) -> None:
+    while True:
+        # Idle: wait for a command. Busy: take what has arrived, then step.
+        if not engine.has_unfinished_requests() and not _apply(conn.recv(), conn, engine):
+            return
+        while conn.poll():
+            if not _apply(conn.recv(), conn, engine):
+                return
+        if not engine.has_unfinished_requests():
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # a broken step fails every request in flight, loudly
+            logging.getLogger(__name__).exception("engine step failed")
+            for request_id in list(engine.scheduler.requests):
+                engine.abort(request_id)
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            continue
+        if outputs:
+            conn.send(("outputs", outputs, engine.stats()))
+
+
+def _apply(command: tuple, conn: Connection, engine: Any) -> bool:
+    """Applies one command; False for "close"."""
+    kind = command[0]
+    if kind == "add":
+        _, request_id, priority, validated = command
+        try:
+            engine.add_request(request_id, validated[0], priority=priority, validated=validated)
+        except ValueError as exc:
+            conn.send(("refused", request_id, str(exc)))
+    elif kind == "abort":
+        output = engine.abort(command[1])
+        if output is not None:
+            conn.send(("outputs", [output], engine.stats()))
+    elif kind == "close":
+        return False
+    return True

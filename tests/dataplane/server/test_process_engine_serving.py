@@ -1,0 +1,70 @@
+"""A GPU server runs each torch engine in its own process (AsyncLLMProcess): served end to end here on
+the CPU by making the loader believe a GPU is present (the child then picks the CPU itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from modelfleet.dataplane import LLM, SamplingParams
+from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
+from modelfleet.dataplane.manifest import ServingManifest
+from modelfleet.dataplane.server import loading
+from modelfleet.dataplane.server.settings import ServerSettings
+
+from .conftest import TEST_ENGINE, LiveServer
+
+
+@pytest.mark.parametrize(
+    ("device", "cuda", "expected"),
+    [
+        (None, True, True),
+        (None, False, False),
+        ("auto", True, True),
+        ("cuda:1", True, True),
+        ("cpu", True, False),
+    ],
+)
+def test_gpu_engines_get_their_own_process(device, cuda, expected):
+    assert loading.engine_in_own_process(device, cuda) is expected
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
+    patch = pytest.MonkeyPatch()
+    patch.setattr(loading, "torch_cuda_available", lambda: True)
+    engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
+    manifest = ServingManifest.from_yaml(f"""
+models:
+  - name: tiny
+    engine: {{{engine}}}
+    versions:
+      - {{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}
+""")
+    live = LiveServer(ServerSettings(), manifest).start()
+    try:
+        live.wait_ready()
+        yield live
+    finally:
+        live.stop()
+        patch.undo()
+
+
+def test_streamed_and_whole_completions_equal_the_engine(server: LiveServer, tiny_model_dir: Path):
+    engine = server.engine("tiny", "v1")
+    assert isinstance(engine, AsyncLLMProcess) and engine._process.is_alive()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    body = dict(
+        model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
+    whole = client.completions.create(**body)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
+    settings = {k: v for k, v in TEST_ENGINE.items()}
+    want = LLM(tiny_model_dir, device="cpu", **settings).generate(
+        "Once upon a time", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )[0]
+    assert whole.choices[0].text == streamed == want.text and whole.usage.completion_tokens == 10
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=list(range(5, 600)), max_tokens=4)
