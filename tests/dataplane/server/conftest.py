@@ -23,6 +23,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 TEST_ENGINE = {"kv_cache_bytes": 8_000_000, "max_model_len": 512, "max_num_seqs": 32}
 
 
+def model_yaml(name: str, *versions: str) -> str:
+    """One model entry of a serving manifest's `models:` list, with the test engine settings; each version
+    is a YAML flow mapping."""
+    engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
+    listed = "".join(f"      - {v}\n" for v in versions)
+    return f"  - name: {name}\n    engine: {{{engine}}}\n    versions:\n{listed}"
+
+
 class LiveServer:
     def __init__(
         self, settings: ServerSettings, manifest: ServingManifest, *, manifest_path: Path | None = None

@@ -11,20 +11,19 @@ from modelfleet.dataplane.server.loading import estimate_engine_bytes
 from modelfleet.dataplane.server.model_manager import VersionSpec
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import TEST_ENGINE, LiveServer
+from .conftest import LiveServer, model_yaml
 
 
 @pytest.fixture(scope="module")
 def budgeted(tiny_model_dir, tiny_model_v2_dir):
-    engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
-    manifest = ServingManifest.from_yaml(f"""
-models:
-  - name: tiny
-    engine: {{{engine}}}
-    versions:
-      - {{name: v1, weight: 50, artifact: "{tiny_model_dir}"}}
-      - {{name: v2, weight: 50, artifact: "{tiny_model_v2_dir}"}}
-""")
+    manifest = ServingManifest.from_yaml(
+        "models:\n"
+        + model_yaml(
+            "tiny",
+            f'{{name: v1, weight: 50, artifact: "{tiny_model_dir}"}}',
+            f'{{name: v2, weight: 50, artifact: "{tiny_model_v2_dir}"}}',
+        )
+    )
     one = estimate_engine_bytes(
         VersionSpec("tiny", "v1", str(tiny_model_dir), (("kv_cache_bytes", "8000000"),))
     )

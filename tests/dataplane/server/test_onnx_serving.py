@@ -17,7 +17,7 @@ from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.model_manager import VersionSpec
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import TEST_ENGINE, LiveServer
+from .conftest import LiveServer, model_yaml
 
 PROMPT = "the quick brown fox"
 
@@ -35,18 +35,13 @@ def onnx_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.fixture(scope="module")
 def server(onnx_dir: Path, tiny_model_dir: Path) -> Iterator[LiveServer]:
-    engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
-    manifest = ServingManifest.from_yaml(f"""
-models:
-  - name: tiny-onnx
-    engine: {{{engine}}}
-    versions:
-      - {{name: onnx-v1, weight: 100, artifact: "{onnx_dir}", preload: true}}
-  - name: tiny-torch
-    engine: {{{engine}}}
-    versions:
-      - {{name: torch-v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}
-""")
+    manifest = ServingManifest.from_yaml(
+        "models:\n"
+        + model_yaml("tiny-onnx", f'{{name: onnx-v1, weight: 100, artifact: "{onnx_dir}", preload: true}}')
+        + model_yaml(
+            "tiny-torch", f'{{name: torch-v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}'
+        )
+    )
     live = LiveServer(ServerSettings(max_tokens_limit=2000), manifest).start()
     live.wait_ready()
     yield live

@@ -14,7 +14,7 @@ from modelfleet.dataplane.manifest import ServingManifest
 from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import TEST_ENGINE, LiveServer
+from .conftest import TEST_ENGINE, LiveServer, model_yaml
 
 
 @pytest.mark.parametrize(
@@ -35,14 +35,8 @@ def test_gpu_engines_get_their_own_process(device, cuda, expected):
 def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
     patch = pytest.MonkeyPatch()
     patch.setattr(loading, "torch_cuda_available", lambda: True)
-    engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
-    manifest = ServingManifest.from_yaml(f"""
-models:
-  - name: tiny
-    engine: {{{engine}}}
-    versions:
-      - {{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}
-""")
+    version = f'{{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}'
+    manifest = ServingManifest.from_yaml("models:\n" + model_yaml("tiny", version))
     live = LiveServer(ServerSettings(), manifest).start()
     try:
         live.wait_ready()
@@ -61,7 +55,7 @@ def test_streamed_and_whole_completions_equal_the_engine(server: LiveServer, tin
     )
     whole = client.completions.create(**body)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **body) if c.choices)
-    settings = {k: v for k, v in TEST_ENGINE.items()}
+    settings = dict(TEST_ENGINE)
     want = LLM(tiny_model_dir, device="cpu", **settings).generate(
         "Once upon a time", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     )[0]
