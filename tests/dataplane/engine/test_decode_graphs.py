@@ -67,3 +67,32 @@ def test_graph_decode_matches_eager_on_gpu(tmp_path):
     assert eager.engine.runner.decode_graphs is None
     assert got == [o.token_ids for o in eager.generate(prompts(), greedy)]
     assert got_seeded == [o.token_ids for o in eager.generate(prompts(), seeded)]
+
+
+@pytest.mark.gpu
+def test_engine_process_on_gpu_gives_the_in_process_tokens(tmp_path):
+    """The server's GPU layout: the engine (CUDA graphs, Triton kernels) in a spawned child process."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import asyncio
+
+    from modelfleet.dataplane import LLM, SamplingParams
+    from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
+
+    model_dir = tiny_llama(tmp_path / "llama")
+    settings = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model_dir, **settings).generate(prompts(), greedy)]
+
+    async def streamed(engine):
+        async def one(prompt):
+            return [t async for o in engine.generate(prompt, greedy) for t in o.new_token_ids]
+
+        return await asyncio.gather(*(one(p) for p in prompts()))
+
+    engine = AsyncLLMProcess(model_dir, **settings)
+    try:
+        assert asyncio.run(streamed(engine)) == want
+    finally:
+        engine.close()
+    assert not engine._process.is_alive()
