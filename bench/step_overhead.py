@@ -23,6 +23,10 @@ were run alternately, twice each):
         total 2.5-2.9; cProfile 9.4
     after, --no-stream (LLM.generate): schedule 0.31-0.33, prepare 0.22-0.26, post 0.19-0.20,
         total 0.74-0.81; cProfile 3.4-3.8
+Long streams (`--num-seqs 256 --warmup 1000 --steps 100`, about 1,000 output tokens each, alternately,
+twice each): `--output-kind cumulative` total 7.2-13.8 ms per step, of which post 5.9-12.0, and 1.49 MB
+of pickled outputs per step; `--output-kind delta` (what the server asks for) total 3.0-5.0, post 2.0-3.3,
+24 KB.
 cProfile's figure includes its own overhead per Python call (about 3x here), so it overstates the
 absolute time; the ratio between runs is what it shows.
 """
@@ -33,6 +37,7 @@ import argparse
 import cProfile
 import io
 import json
+import pickle
 import pstats
 import statistics
 import sys
@@ -106,7 +111,7 @@ class _Timed:
 
     def step(self) -> dict[str, float]:
         start = _now()
-        self.engine.step()
+        self.outputs = self.engine.step()
         end = _now()
         m = self.marks
         times = {}
@@ -147,6 +152,12 @@ def main() -> int:
         action="store_true",
         help="requests as LLM.generate adds them: no outputs before they finish (default: streamed)",
     )
+    parser.add_argument(
+        "--output-kind",
+        choices=["cumulative", "delta"],
+        default="cumulative",
+        help="what each streamed output carries: everything so far, or only what is new (the server)",
+    )
     parser.add_argument("--profile", action="store_true", help="also run the steps under cProfile")
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint; default: the tiny demo")
     args = parser.parse_args()
@@ -161,7 +172,9 @@ def main() -> int:
         vocab = engine.model_config.vocab_size
         timed = _Timed(engine, vocab, seed=0)
         max_tokens = args.warmup + args.steps * (2 if args.profile else 1) + 8
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=args.output_kind
+        )
         rng = np.random.default_rng(1)
         for i in range(args.num_seqs):
             prompt = rng.integers(16, vocab, size=args.prompt_len).tolist()
@@ -182,7 +195,11 @@ def main() -> int:
             "bench": "step_overhead",
             "num_seqs": args.num_seqs,
             "stream": not args.no_stream,
+            "output_kind": args.output_kind,
+            "output_tokens_at_start": args.warmup,
             "steps": args.steps,
+            # what an engine process sends its server for one step
+            "pickled_step_outputs_bytes": len(pickle.dumps(timed.outputs, protocol=pickle.HIGHEST_PROTOCOL)),
             **{f"{key}_ms": round(statistics.median(s[key] for s in samples) * 1e3, 3) for key in samples[0]},
         }
         if args.profile:

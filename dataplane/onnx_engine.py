@@ -22,7 +22,7 @@ import numpy as np
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
 from modelfleet.dataplane.engine.llm_engine import Prompt, check_request, encode_prompt
-from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.outputs import EngineStats, request_output
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.onnx_runner import OnnxRunner
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -224,18 +224,21 @@ class AsyncOnnxEngine(ThreadedEngine):
     def _emit(
         self, request: _Request, new_text: str, finish_reason: str | None = None, error: str | None = None
     ) -> None:
-        request.text += new_text
+        delta = request.params.output_kind == "delta"
+        if not delta:
+            request.text += new_text
         new_token_ids = request.token_ids[request.num_reported :]
         request.num_reported = len(request.token_ids)
         finished = finish_reason is not None
-        output = RequestOutput(
+        output = request_output(
+            delta=delta,
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             text=request.text,
-            token_ids=list(request.token_ids),
+            token_ids=request.token_ids,
             new_text=new_text,
             new_token_ids=new_token_ids,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            logprobs=request.logprobs,
             finish_reason=finish_reason,
             finished=finished,
             error=error,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 # Temperatures below this are greedy.
 GREEDY_EPSILON = 1e-5
+OUTPUT_KINDS = ("cumulative", "delta")
 
 
 @dataclass
@@ -26,6 +27,9 @@ class SamplingParams:
     # Number of most likely tokens whose log-probabilities are returned per generated token.
     logprobs: int | None = None
     ignore_eos: bool = False
+    # "cumulative": each output carries the whole text, token ids and logprobs so far. "delta": only what
+    # is new (streaming servers: a step's outputs then cost the same at token 10 and at token 10,000).
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +65,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens: {self.max_tokens!r} must be an integer >= 1")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs: {self.logprobs!r} must be None or an integer >= 0")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind: {self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from modelfleet.dataplane.config import EngineConfig, check_prefill_fits
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
-from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput, request_output
 from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -317,16 +317,19 @@ class LLMEngine:
 
     def _make_output(self, state: _RequestState, new_token_ids: list[int], new_text: str) -> RequestOutput:
         seq = state.seq
-        state.text += new_text
+        delta = seq.params.output_kind == "delta"
+        if not delta:
+            state.text += new_text
         state.num_reported_tokens += len(new_token_ids)
-        return RequestOutput(
+        return request_output(
+            delta=delta,
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             text=state.text,
-            token_ids=list(seq.output_token_ids),
+            token_ids=seq.output_token_ids,
             new_text=new_text,
             new_token_ids=new_token_ids,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            logprobs=state.logprobs,
             finish_reason=seq.finish_reason,
             finished=seq.is_finished,
             error=seq.error,

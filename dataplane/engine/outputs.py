@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    # Cumulative generated text and tokens.
+    # Cumulative generated text and tokens. In a delta output (SamplingParams.output_kind "delta"): text,
+    # token_ids and logprobs hold only what is new, and prompt_token_ids is empty.
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     # What is new since the previous output of this request.
@@ -24,15 +25,58 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    delta: bool = False
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One output saying what this one and the later one of the same request say: the later one's
-        cumulative fields, both deltas."""
+        cumulative fields (or both deltas, for delta outputs), both deltas."""
+        new_text, new_token_ids = self.new_text + later.new_text, self.new_token_ids + later.new_token_ids
+        if not later.delta:
+            return replace(later, new_text=new_text, new_token_ids=new_token_ids)
+        logprobs = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
         return replace(
             later,
-            new_text=self.new_text + later.new_text,
-            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text=new_text,
+            token_ids=new_token_ids,
+            new_text=new_text,
+            new_token_ids=new_token_ids,
+            logprobs=logprobs,
         )
+
+
+def request_output(
+    *,
+    delta: bool,
+    request_id: str,
+    prompt_token_ids: list[int],
+    text: str,
+    token_ids: list[int],
+    new_text: str,
+    new_token_ids: list[int],
+    logprobs: list[dict[int, float]] | None,
+    **rest: object,
+) -> RequestOutput:
+    """An engine's output for one request. token_ids and logprobs are the request's own growing lists:
+    a cumulative output takes copies of them, a delta output only their new tail."""
+    if delta:
+        if logprobs is not None:
+            logprobs = logprobs[len(logprobs) - len(new_token_ids) :] if new_token_ids else []
+        return RequestOutput(
+            request_id,
+            [],
+            new_text,
+            list(new_token_ids),
+            new_text,
+            new_token_ids,
+            logprobs,
+            delta=True,
+            **rest,
+        )
+    if logprobs is not None:
+        logprobs = list(logprobs)
+    return RequestOutput(
+        request_id, prompt_token_ids, text, list(token_ids), new_text, new_token_ids, logprobs, **rest
+    )
 
 
 @dataclass

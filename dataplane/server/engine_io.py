@@ -39,6 +39,9 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
         "max_tokens": max_tokens,
         "logprobs": logprobs,
         "ignore_eos": request.ignore_eos,
+        # events carry only what is new; cumulative outputs would copy each request's whole text and
+        # tokens (and, from an engine process, pickle them) on every step
+        "output_kind": "delta",
     }
     if request.top_k is not None:
         values["top_k"] = request.top_k

@@ -41,6 +41,30 @@ def test_streamed_deltas_add_up_to_the_final_output(llm):
     assert [t for o in outputs for t in o.new_token_ids] == final.token_ids
 
 
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_delta_outputs_carry_only_what_is_new_and_add_up_to_the_cumulative_ones(llm, with_stop):
+    prompt = "A stop string test"
+    stop = None
+    if with_stop:
+        stop = [llm.generate(prompt, SamplingParams(max_tokens=24, **GREEDY))[0].text[10:13]]
+    kinds = {
+        kind: SamplingParams(max_tokens=24, logprobs=2, stop=stop, output_kind=kind, **GREEDY)
+        for kind in ("cumulative", "delta")
+    }
+    for kind, params in kinds.items():
+        llm.add_request(kind, prompt, params)
+    outputs = run_until_done(llm)
+    cumulative, deltas = outputs["cumulative"][-1], outputs["delta"]
+    assert all(o.delta and o.prompt_token_ids == [] for o in deltas)
+    assert all(o.text == o.new_text and o.token_ids == o.new_token_ids for o in deltas)
+    assert all(len(o.logprobs) == len(o.new_token_ids) for o in deltas)
+    assert "".join(o.text for o in deltas) == cumulative.text
+    assert [t for o in deltas for t in o.token_ids] == cumulative.token_ids
+    assert [lp for o in deltas for lp in o.logprobs] == cumulative.logprobs
+    assert deltas[-1].finish_reason == cumulative.finish_reason == ("stop" if with_stop else "length")
+    assert not cumulative.delta and cumulative.prompt_token_ids == llm.tokenizer.encode(prompt)
+
+
 def test_stop_string_truncates_the_text_and_stops(llm):
     params = SamplingParams(max_tokens=24, **GREEDY)
     full = llm.generate("A stop string test", params)[0].text
@@ -82,6 +106,7 @@ def test_eos_stops_unless_ignored(tiny_model_dir):
         ("hi", {"top_p": 0.0}, "top_p"),
         ("hi", {"top_p": 1.5}, "top_p"),
         ("hi", {"max_tokens": 0}, "max_tokens"),
+        ("hi", {"output_kind": "diff"}, "output_kind"),
     ],
 )
 def test_bad_input_is_refused_when_added_naming_the_field(llm, prompt, params, field):

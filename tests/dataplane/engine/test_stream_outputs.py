@@ -35,6 +35,18 @@ async def test_outputs_that_piled_up_come_as_one_with_both_deltas():
     assert not abandoned
 
 
+async def test_delta_outputs_that_piled_up_come_as_one_holding_both():
+    queue: asyncio.Queue = asyncio.Queue()
+    for n, finished in ((1, False), (2, True)):
+        delta = output([n], [n], finished)
+        delta.prompt_token_ids, delta.logprobs, delta.delta = [], [{n: -0.5}], True
+        queue.put_nowait(delta)
+    (merged,) = [o async for o in stream_outputs(queue, lambda: None)]
+    assert merged.delta and merged.finished
+    assert merged.token_ids == merged.new_token_ids == [1, 2] and merged.text == merged.new_text == " t1 t2"
+    assert merged.logprobs == [{1: -0.5}, {2: -0.5}]
+
+
 async def test_outputs_arriving_one_at_a_time_stay_one_at_a_time():
     queue: asyncio.Queue = asyncio.Queue()
 
