@@ -94,8 +94,9 @@ class AsyncLLMProcess(ThreadedEngine):
         try:
             with self._send_lock:
                 self._conn.send(command)
-        except (OSError, ValueError):  # the child is gone; the reader thread fails the streams
-            pass
+        except (OSError, ValueError):  # the child is gone: the reader thread fails the open streams
+            if command[0] == "add":  # and this one may have opened after it did
+                self._deliver(command[1], EngineProcessError(self.failure or "the engine process stopped"))
 
     def _run(self) -> None:
         """Reader thread: the child's messages to the requests' streams."""
@@ -115,8 +116,10 @@ class AsyncLLMProcess(ThreadedEngine):
                 logger.error("engine step failed: %s", message[1])
                 self._fail_all(RuntimeError(f"engine step failed: {message[1]}"))
         if not self._closed:
-            logger.error("the engine process exited (code %s)", self._process.exitcode)
-        self._fail_all(EngineProcessError("the engine process stopped"))
+            self._process.join(timeout=5)  # for its exit code
+            self.failure = f"the engine process exited (code {self._process.exitcode})"
+            logger.error("%s", self.failure)
+        self._fail_all(EngineProcessError(self.failure or "the engine process stopped"))
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):

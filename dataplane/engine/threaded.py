@@ -55,6 +55,9 @@ async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> A
 
 
 class ThreadedEngine(ABC):
+    # Why this engine can no longer serve (its process died), or None; its owner then starts a new one.
+    failure: str | None = None
+
     def _start(self, thread_name: str) -> None:
         self._commands: deque[tuple] = deque()
         self._wake = threading.Event()
@@ -87,6 +90,8 @@ class ThreadedEngine(ABC):
         """Streams the request's outputs; the last has finished=True. Closing the iterator aborts."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
         validated = self.validate(prompt, params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority: {priority!r} must be an integer (lower runs first)")

@@ -158,7 +158,12 @@ class ModelManager:
 
     async def _ensure_loaded(self, slot: VersionSlot) -> None:
         if slot.state is LoadState.LOADED:
-            return
+            failure = getattr(slot.engine, "failure", None)
+            if failure is None:
+                return
+            # The engine died under this version (its process crashed): this request loads it again.
+            log.error("%s can no longer serve: %s; loading it again", slot.spec.label, failure)
+            await self._unload(slot)
         if slot.state is LoadState.FAILED and self.clock() - slot.failed_at < self.load_retry_seconds:
             raise ModelUnavailable(
                 f"version '{slot.spec.label}' failed to load: {slot.error}", code="model_load_failed"

@@ -71,8 +71,11 @@ async def test_a_crashed_engine_process_ends_the_open_streams(tiny_model_dir):
         stream = engine.generate([5, 6], SamplingParams(max_tokens=100, **GREEDY))
         await anext(stream)
         os.kill(engine._process.pid, signal.SIGKILL)
-        with pytest.raises(EngineProcessError, match="stopped"):
+        with pytest.raises(EngineProcessError, match="exited"):
             async for _ in stream:
                 pass
+        assert engine.failure and "exited" in engine.failure
+        with pytest.raises(RuntimeError, match="exited"):  # at once, not a request left hanging
+            await asyncio.wait_for(collect(engine, [5, 6], SamplingParams(max_tokens=2)), timeout=10)
     finally:
         engine.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import types
 
 import pytest
 from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable
@@ -63,6 +64,24 @@ async def test_concurrent_first_requests_cause_one_load():
     assert loads.calls == ["v1"]
     assert all(e is engines[0] for e in engines)
     assert mgr.slots[("m", "v1")].in_flight == 0
+    await mgr.close()
+
+
+async def test_an_engine_that_died_is_loaded_again_once_by_the_next_requests():
+    made, closed = [], []
+
+    def load(spec: VersionSpec) -> types.SimpleNamespace:
+        time.sleep(0.05)
+        made.append(types.SimpleNamespace(failure=None))
+        return made[-1]
+
+    mgr = ModelManager(load, estimate_bytes=lambda s: 100, close=closed.append)
+    mgr.sync([spec("v1")])
+    first = await use(mgr, "v1")
+    first.failure = "the engine process exited (code -9)"
+    engines = await asyncio.gather(*(use(mgr, "v1") for _ in range(5)))
+    assert len(made) == 2 and all(e is made[1] for e in engines)
+    assert closed == [first] and mgr.slots[("m", "v1")].state is LoadState.LOADED
     await mgr.close()
 
 

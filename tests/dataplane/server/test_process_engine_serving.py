@@ -3,6 +3,8 @@ the CPU by making the loader believe a GPU is present (the child then picks the 
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,3 +64,15 @@ def test_streamed_and_whole_completions_equal_the_engine(server: LiveServer, tin
     assert whole.choices[0].text == streamed == want.text and whole.usage.completion_tokens == 10
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=list(range(5, 600)), max_tokens=4)
+
+
+def test_a_crashed_engine_process_is_started_again_by_the_next_request(server: LiveServer):
+    engine = server.engine("tiny", "v1")
+    os.kill(engine._process.pid, signal.SIGKILL)
+    engine._thread.join(timeout=30)  # its reader has seen the end
+    assert engine.failure is not None
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    answer = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert answer.usage.completion_tokens == 4
+    fresh = server.engine("tiny", "v1")
+    assert fresh is not engine and fresh._process.is_alive() and fresh.failure is None
