@@ -18,3 +18,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from modelfleet.dataplane.demo import create_demo_model
 
     return create_demo_model(tmp_path_factory.mktemp("demo") / "tiny", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama checkpoint (float32, no tokenizer) with head_dim 16, the smallest the Triton
+    kernels tile, for engine tests on the GPU. Written once per test session; treat it as read-only."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out_dir = tmp_path_factory.mktemp("llama") / "tiny-llama"
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    return out_dir

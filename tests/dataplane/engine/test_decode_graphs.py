@@ -4,27 +4,15 @@ import pytest
 import torch
 
 
-def tiny_llama(out_dir):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
-    return out_dir
-
-
 def prompts():
     g = torch.Generator().manual_seed(3)
     return [torch.randint(5, 500, (n,), generator=g).tolist() for n in (1, 7, 40, 90, 17)]
 
 
-def test_cpu_runner_has_no_graphs(tmp_path):
+def test_cpu_runner_has_no_graphs(tiny_llama_dir):
     from modelfleet.dataplane import LLM, SamplingParams
 
-    llm = LLM(tiny_llama(tmp_path / "llama"), device="cpu", dtype="float32", max_num_seqs=4)
+    llm = LLM(tiny_llama_dir, device="cpu", dtype="float32", max_num_seqs=4)
     assert llm.engine.runner.decode_graphs is None
     out = llm.generate(prompts()[:2], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert [len(o.token_ids) for o in out] == [3, 3]
@@ -38,17 +26,16 @@ def test_enforce_eager_must_be_a_bool(tmp_path):
 
 
 @pytest.mark.gpu
-def test_graph_decode_matches_eager_on_gpu(tmp_path):
+def test_graph_decode_matches_eager_on_gpu(tiny_llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from modelfleet.dataplane import LLM, SamplingParams
 
-    model_dir = tiny_llama(tmp_path / "llama")
     # 5 prompts over max_num_seqs 3: batches 1..3 replay padded graphs, prefills run eagerly
     settings = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
-    graphs = LLM(model_dir, **settings)
+    graphs = LLM(tiny_llama_dir, **settings)
     runner = graphs.engine.runner
     assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 3]
     replays = 0
@@ -63,14 +50,14 @@ def test_graph_decode_matches_eager_on_gpu(tmp_path):
     got = [o.token_ids for o in graphs.generate(prompts(), greedy)]
     got_seeded = [o.token_ids for o in graphs.generate(prompts(), seeded)]
     assert replays > 20
-    eager = LLM(model_dir, enforce_eager=True, **settings)
+    eager = LLM(tiny_llama_dir, enforce_eager=True, **settings)
     assert eager.engine.runner.decode_graphs is None
     assert got == [o.token_ids for o in eager.generate(prompts(), greedy)]
     assert got_seeded == [o.token_ids for o in eager.generate(prompts(), seeded)]
 
 
 @pytest.mark.gpu
-def test_engine_process_on_gpu_gives_the_in_process_tokens(tmp_path):
+def test_engine_process_on_gpu_gives_the_in_process_tokens(tiny_llama_dir):
     """The server's GPU layout: the engine (CUDA graphs, Triton kernels) in a spawned child process."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -79,10 +66,9 @@ def test_engine_process_on_gpu_gives_the_in_process_tokens(tmp_path):
     from modelfleet.dataplane import LLM, SamplingParams
     from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
 
-    model_dir = tiny_llama(tmp_path / "llama")
     settings = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    want = [o.token_ids for o in LLM(model_dir, **settings).generate(prompts(), greedy)]
+    want = [o.token_ids for o in LLM(tiny_llama_dir, **settings).generate(prompts(), greedy)]
 
     async def streamed(engine):
         async def one(prompt):
@@ -90,7 +76,7 @@ def test_engine_process_on_gpu_gives_the_in_process_tokens(tmp_path):
 
         return await asyncio.gather(*(one(p) for p in prompts()))
 
-    engine = AsyncLLMProcess(model_dir, **settings)
+    engine = AsyncLLMProcess(tiny_llama_dir, **settings)
     try:
         assert asyncio.run(streamed(engine)) == want
     finally:

@@ -8,18 +8,6 @@ pytestmark = pytest.mark.gpu
 PROMPT_SEED = 5
 
 
-def tiny_llama(out_dir):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
-    return out_dir
-
-
 def prompts():
     g = torch.Generator().manual_seed(PROMPT_SEED)
     long = torch.randint(5, 500, (300,), generator=g).tolist()
@@ -30,32 +18,30 @@ def prompts():
     ]  # shared prefixes: cached-context prefill
 
 
-def test_engine_on_gpu_with_triton_matches_cpu(device, tmp_path):
+def test_engine_on_gpu_with_triton_matches_cpu(device, tiny_llama_dir):
     if device.type != "cuda":
         pytest.skip("needs a CUDA GPU")
     import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
     from modelfleet.dataplane import LLM, SamplingParams
 
-    model_dir = tiny_llama(tmp_path / "llama")
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     settings = dict(dtype="float32", max_num_batched_tokens=128, max_num_seqs=4)  # chunked prefill too
-    gpu = LLM(model_dir, device="cuda", **settings)
+    gpu = LLM(tiny_llama_dir, device="cuda", **settings)
     assert gpu.engine.runner.model.attention_backend.name == "triton"
     got = [o.token_ids for o in gpu.generate(prompts(), params)]
-    cpu = LLM(model_dir, device="cpu", **settings)
+    cpu = LLM(tiny_llama_dir, device="cpu", **settings)
     want = [o.token_ids for o in cpu.generate(prompts(), params)]
     assert got == want
 
 
-def test_fused_sampler_path_is_seeded_batch_independent_and_greedy_exact(device, tmp_path):
+def test_fused_sampler_path_is_seeded_batch_independent_and_greedy_exact(device, tiny_llama_dir):
     """Temperature-only batches take the one-kernel sampler: greedy rows still give the torch sampler's
     argmax tokens, and a seeded request draws the same tokens alone and inside any batch."""
     if device.type != "cuda":
         pytest.skip("needs a CUDA GPU")
     from modelfleet.dataplane import LLM, SamplingParams
 
-    model_dir = tiny_llama(tmp_path / "llama")
-    llm = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=8)
+    llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", max_num_seqs=8)
     sampler = llm.engine.runner.sampler
     assert sampler.fused
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
