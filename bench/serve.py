@@ -3,7 +3,8 @@ concurrency, streaming completions; prints one JSON line with request and token 
 median and p99 of TTFT, TPOT, ITL and end-to-end latency.
 
 With --model (or --demo) it starts `modelfleet serve` itself and, as the baseline in the same run, drives
-the same prompts through the engine in-process (AsyncLLM, no HTTP), so the server's overhead shows.
+the same prompts through the same kind of engine the server loads (a child process on a GPU, a thread on
+the CPU), without HTTP, so the server's overhead shows.
     python bench/serve.py --demo small --num-prompts 64 --max-concurrency 8
     python bench/serve.py --base-url http://localhost:8000 --model-name demo --request-rate 4
 """
@@ -124,7 +125,8 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
 def engine_sender(engine, output_len: int):
     from modelfleet.dataplane import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    # delta outputs, as the server asks for
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0, output_kind="delta")
     counter = iter(range(1 << 62))
 
     async def send(prompt: list[int]) -> Result:
@@ -132,7 +134,7 @@ def engine_sender(engine, output_len: int):
         async for output in engine.generate(prompt, params, request_id=f"bench-{next(counter)}"):
             if output.new_token_ids:
                 result.arrived()
-            result.output_tokens = len(output.token_ids)
+            result.output_tokens += len(output.new_token_ids)
         return result.done()
 
     return send
@@ -223,9 +225,12 @@ def engine_settings(pairs: list[str]) -> dict:
 
 
 async def run_baseline(model_dir: Path, args, prompts) -> dict:
-    from modelfleet.dataplane import AsyncLLM
+    """The server's own engine for this model (its loader: a child process on a GPU), driven without HTTP."""
+    from modelfleet.dataplane.server.loading import load_engine
+    from modelfleet.dataplane.server.model_manager import VersionSpec
 
-    engine = AsyncLLM(str(model_dir), **engine_settings(args.engine))
+    settings = tuple((key, json.dumps(value)) for key, value in engine_settings(args.engine).items())
+    engine = load_engine(VersionSpec("bench", "baseline", str(model_dir), settings))
     try:
         await run_load(
             engine_sender(engine, args.output_len), prompts[:2], float("inf"), None, args.seed
