@@ -9,7 +9,8 @@ Parent and child talk over one pipe. Parent -> child: ("add", request_id, priori
 ("abort", request_id), ("close",). Child -> parent: ("ready", info), ("outputs", [RequestOutput], stats),
 ("refused", request_id, message), ("failed", message) when a step raised, ("error", message) when the
 engine could not be built. A reader thread in the parent delivers outputs to the requests' streams; if
-the child dies, every open stream ends with an error.
+the child dies, every open stream ends with an error and `failure` says why, so that the owner (the
+server's model manager) starts a new engine.
 """
 
 from __future__ import annotations
