@@ -3,6 +3,10 @@
 import pytest
 import torch
 
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# 5 prompts over max_num_seqs 3: batches 1..3 replay padded graphs, prefills run eagerly
+GPU_SETTINGS = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
+
 
 def prompts():
     g = torch.Generator().manual_seed(3)
@@ -26,16 +30,13 @@ def test_enforce_eager_must_be_a_bool(tmp_path):
 
 
 @pytest.mark.gpu
+@cuda_only
 def test_graph_decode_matches_eager_on_gpu(tiny_llama_dir):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     from modelfleet.dataplane import LLM, SamplingParams
 
-    # 5 prompts over max_num_seqs 3: batches 1..3 replay padded graphs, prefills run eagerly
-    settings = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
-    graphs = LLM(tiny_llama_dir, **settings)
+    graphs = LLM(tiny_llama_dir, **GPU_SETTINGS)
     runner = graphs.engine.runner
     assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 3]
     replays = 0
@@ -50,25 +51,23 @@ def test_graph_decode_matches_eager_on_gpu(tiny_llama_dir):
     got = [o.token_ids for o in graphs.generate(prompts(), greedy)]
     got_seeded = [o.token_ids for o in graphs.generate(prompts(), seeded)]
     assert replays > 20
-    eager = LLM(tiny_llama_dir, enforce_eager=True, **settings)
+    eager = LLM(tiny_llama_dir, enforce_eager=True, **GPU_SETTINGS)
     assert eager.engine.runner.decode_graphs is None
     assert got == [o.token_ids for o in eager.generate(prompts(), greedy)]
     assert got_seeded == [o.token_ids for o in eager.generate(prompts(), seeded)]
 
 
 @pytest.mark.gpu
+@cuda_only
 def test_engine_process_on_gpu_gives_the_in_process_tokens(tiny_llama_dir):
     """The server's GPU layout: the engine (CUDA graphs, Triton kernels) in a spawned child process."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     import asyncio
 
     from modelfleet.dataplane import LLM, SamplingParams
     from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
 
-    settings = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    want = [o.token_ids for o in LLM(tiny_llama_dir, **settings).generate(prompts(), greedy)]
+    want = [o.token_ids for o in LLM(tiny_llama_dir, **GPU_SETTINGS).generate(prompts(), greedy)]
 
     async def streamed(engine):
         async def one(prompt):
@@ -76,7 +75,7 @@ def test_engine_process_on_gpu_gives_the_in_process_tokens(tiny_llama_dir):
 
         return await asyncio.gather(*(one(p) for p in prompts()))
 
-    engine = AsyncLLMProcess(tiny_llama_dir, **settings)
+    engine = AsyncLLMProcess(tiny_llama_dir, **GPU_SETTINGS)
     try:
         assert asyncio.run(streamed(engine)) == want
     finally:
