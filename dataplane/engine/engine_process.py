@@ -120,6 +120,11 @@ class AsyncLLMProcess(ThreadedEngine):
             self._process.join(timeout=5)  # for its exit code
             self.failure = f"the engine process exited (code {self._process.exitcode})"
             logger.error("%s", self.failure)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(self.failure)
+                except Exception:  # the owner's hook must not keep the streams below from ending
+                    logger.exception("the engine's failure hook raised")
         self._fail_all(EngineProcessError(self.failure or "the engine process stopped"))
 
     def _fail_all(self, exc: Exception) -> None:

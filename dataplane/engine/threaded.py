@@ -57,6 +57,8 @@ async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> A
 class ThreadedEngine(ABC):
     # Why this engine can no longer serve (its process died), or None; its owner then starts a new one.
     failure: str | None = None
+    # Called with `failure` once it is set, from the engine's own thread.
+    on_failure: Callable[[str], None] | None = None
 
     def _start(self, thread_name: str) -> None:
         self._commands: deque[tuple] = deque()

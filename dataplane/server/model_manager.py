@@ -195,6 +195,9 @@ class ModelManager:
             log.error("loading %s failed: %s", slot.spec.label, slot.error)
             return
         seconds = time.perf_counter() - started
+        if hasattr(engine, "on_failure"):  # an engine that can die under us (a process of its own)
+            loop = asyncio.get_running_loop()
+            engine.on_failure = lambda reason: loop.call_soon_threadsafe(self._engine_failed, slot, engine)
         slot.engine, slot.state, slot.load_seconds = engine, LoadState.LOADED, seconds
         slot.last_used = self.clock()
         self.on_state(slot)
@@ -202,6 +205,19 @@ class ModelManager:
         log.info("loaded %s in %.2f s", slot.spec.label, seconds)
         if slot.retired and slot.in_flight == 0:
             await self._unload(slot)
+
+    def _engine_failed(self, slot: VersionSlot, engine: Any) -> None:
+        """A loaded engine died: unload it now, and load a preloaded version again at once (others load
+        on their next request), so that readiness tells the truth meanwhile."""
+        if slot.engine is engine:
+            log.error("%s can no longer serve: %s", slot.spec.label, engine.failure)
+            self._spawn(self._restart(slot))
+
+    async def _restart(self, slot: VersionSlot) -> None:
+        if slot.engine is not None and getattr(slot.engine, "failure", None) is not None:
+            await self._unload(slot)
+        if slot.spec.preload and not slot.retired:
+            await self._preload(slot)
 
     def _fail(self, slot: VersionSlot, reason: str) -> None:
         slot.state, slot.error, slot.failed_at, slot.size_bytes = LoadState.FAILED, reason, self.clock(), 0

@@ -99,6 +99,45 @@ async def test_preload_at_sync_and_ready():
     await mgr.close()
 
 
+class DyingEngine:
+    """An engine with a process of its own, which can die: it then calls its owner's hook from its
+    own thread, as AsyncLLMProcess's reader thread does."""
+
+    failure: str | None = None
+    on_failure = None
+
+    def die(self) -> None:
+        self.failure = "the engine process exited (code -9)"
+        threading.Thread(target=self.on_failure, args=(self.failure,)).start()
+
+
+async def test_a_dead_engine_is_unloaded_at_once_and_a_preloaded_version_loads_again():
+    made: list[tuple[str, DyingEngine]] = []
+
+    def load(spec: VersionSpec) -> DyingEngine:
+        time.sleep(0.02)
+        made.append((spec.version, DyingEngine()))
+        return made[-1][1]
+
+    mgr = ModelManager(load, estimate_bytes=lambda s: 100, close=lambda engine: None)
+    mgr.sync([spec("pre", preload=True), spec("lazy")])
+    await use(mgr, "lazy")
+    while not mgr.ready():
+        await asyncio.sleep(0.01)
+    pre, lazy = (mgr.slots[("m", v)] for v in ("pre", "lazy"))
+    dead = (pre.engine, lazy.engine)
+    for engine in dead:
+        engine.die()
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if pre.engine not in (None, dead[0]) and pre.state is LoadState.LOADED:
+            break
+    assert pre.state is LoadState.LOADED and pre.engine is not dead[0] and mgr.ready()  # no request needed
+    assert lazy.state is LoadState.UNLOADED and lazy.engine is None  # loads on its next request
+    assert sorted(v for v, _ in made) == ["lazy", "pre", "pre"]
+    await mgr.close()
+
+
 async def test_lru_unload_under_budget_never_touches_busy_versions():
     loads = Loads(delay=0.01)
     clock = Clock()
