@@ -21,15 +21,13 @@ from typing import Any
 import numpy as np
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
-from modelfleet.dataplane.engine.llm_engine import Prompt, check_request, encode_prompt
+from modelfleet.dataplane.engine.llm_engine import Prompt, PromptChecks, load_tokenizer
 from modelfleet.dataplane.engine.outputs import EngineStats, request_output
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.onnx_runner import OnnxRunner
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass
@@ -48,11 +46,13 @@ class _Request:
     aborted: bool = False
 
 
-class AsyncOnnxEngine(ThreadedEngine):
+class AsyncOnnxEngine(PromptChecks, ThreadedEngine):
     """Takes the torch engine's settings (see EngineConfig) so one manifest can serve either format;
     only `max_model_len` and `seed` mean something here, the paged-cache ones are accepted and unused."""
 
     def __init__(self, model: str | Path, **engine_config: Any) -> None:
+        from transformers import AutoTokenizer
+
         self.config = EngineConfig.from_kwargs(model, **engine_config)
         self.runner = OnnxRunner(self.config.model)
         model_config = json.loads((Path(self.config.model) / "config.json").read_text())
@@ -62,7 +62,8 @@ class AsyncOnnxEngine(ThreadedEngine):
                 f"max_model_len: {self.config.max_model_len} exceeds the model's maximum length {model_max}"
             )
         self.max_model_len: int = self.config.max_model_len or model_max
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = load_tokenizer(AutoTokenizer, self.config.model)
+        self.vocab_size: int = self.runner.vocab_size
         eos = set(self.runner.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -77,26 +78,7 @@ class AsyncOnnxEngine(ThreadedEngine):
         self._cached_tokens = 0
         self._start("modelfleet-onnx-engine")
 
-    def _load_tokenizer(self) -> Any:
-        if not any((Path(self.config.model) / name).exists() for name in _TOKENIZER_FILES):
-            logger.warning("%s has no tokenizer: prompts must be token ids", self.config.model)
-            return None
-        return self.runner.tokenizer
-
-    # --- the caller's side (event loop) ---
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return encode_prompt(prompt, self.tokenizer, self._tokenizer_lock)
-
-    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        """The torch engine's checks: a request refused here never reaches the worker."""
-        return check_request(
-            prompt,
-            params,
-            tokenize=self.tokenize,
-            vocab_size=self.runner.vocab_size,
-            max_model_len=self.max_model_len,
-        )
+    # --- the caller's side (event loop); the checks are PromptChecks' ---
 
     def _add_command(
         self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from modelfleet.dataplane.engine.llm_engine import Prompt, check_request, encode_prompt
+from modelfleet.dataplane.engine.llm_engine import Prompt, PromptChecks
 from modelfleet.dataplane.engine.outputs import EngineStats
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ class EngineProcessError(RuntimeError):
     """The engine process could not start, or stopped."""
 
 
-class AsyncLLMProcess(ThreadedEngine):
+class AsyncLLMProcess(PromptChecks, ThreadedEngine):
     def __init__(self, model: str | Path, **engine_config: Any) -> None:
         from modelfleet.dataplane.config import EngineConfig
         from modelfleet.dataplane.engine.llm_engine import load_tokenizer
@@ -71,15 +71,6 @@ class AsyncLLMProcess(ThreadedEngine):
             return self._conn.recv()
         except EOFError:
             return "error", f"it exited with code {self._process.exitcode} before it was ready"
-
-    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        return check_request(
-            prompt,
-            params,
-            tokenize=lambda p: encode_prompt(p, self.tokenizer, self._tokenizer_lock),
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-        )
 
     def stats(self) -> EngineStats:
         """As of the engine's latest step."""

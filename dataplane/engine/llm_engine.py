@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,44 +31,44 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-def encode_prompt(prompt: Prompt, tokenizer: Any, lock: threading.Lock) -> list[int]:
-    """Token ids of a text or token-id prompt. The lock: encoding from several threads at once trips the
-    fast tokenizer's internal borrow checks."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
-        with lock:
-            return list(tokenizer.encode(prompt))
-    return list(prompt)
+class PromptChecks:
+    """The checks every engine runs on a request before it joins any batch, on the caller's side.
+    An engine sets `tokenizer` (None: token ids only), `_tokenizer_lock` (encoding from several threads
+    at once trips the fast tokenizer's internal borrow checks), `vocab_size` and `max_model_len`."""
 
+    tokenizer: Any
+    _tokenizer_lock: threading.Lock
+    vocab_size: int
+    max_model_len: int
 
-def check_request(
-    prompt: Prompt,
-    params: SamplingParams | None,
-    *,
-    tokenize: Callable[[Prompt], list[int]],
-    vocab_size: int,
-    max_model_len: int,
-) -> tuple[list[int], SamplingParams]:
-    """A request's checks, done before it joins any batch (every engine runs the same ones); returns its
-    prompt tokens and parameters, or raises ValueError naming the field."""
-    if params is None:
-        params = SamplingParams()
-    elif not isinstance(params, SamplingParams):
-        raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-    if not isinstance(prompt, str | list | tuple):
-        raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
-    token_ids = tokenize(prompt) if prompt else []
-    if not token_ids:
-        raise ValueError("prompt: is empty; send at least one token")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in token_ids):
-        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
-            f"{max_model_len} tokens (prompt plus output); shorten the prompt"
-        )
-    return token_ids, params
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids instead of text")
+            with self._tokenizer_lock:
+                return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The request's prompt tokens and parameters, or ValueError naming the field."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, str | list | tuple):
+            raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        token_ids = self.tokenize(prompt) if prompt else []
+        if not token_ids:
+            raise ValueError("prompt: is empty; send at least one token")
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
+                f"{self.max_model_len} tokens (prompt plus output); shorten the prompt"
+            )
+        return token_ids, params
 
 
 @dataclass
@@ -89,7 +88,7 @@ class _RequestState:
     pending_text: str = ""
 
 
-class LLMEngine:
+class LLMEngine(PromptChecks):
     def __init__(self, config: EngineConfig) -> None:
         from modelfleet.dataplane.engine.model_runner import ModelRunner
         from modelfleet.dataplane.models.config import ModelConfig
@@ -111,6 +110,7 @@ class LLMEngine:
         self._tokenizer_lock = threading.Lock()
         self.runner = ModelRunner(config, max_model_len)
         self.model_config = self.runner.model_config
+        self.vocab_size = self.model_config.vocab_size
         cache_tokens = self.runner.num_blocks * config.block_size
         if cache_tokens < max_model_len:
             logger.warning(
@@ -167,19 +167,6 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs))
-
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return encode_prompt(prompt, self.tokenizer, self._tokenizer_lock)
-
-    def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        """Checks a request before it joins any batch; returns its prompt tokens and parameters."""
-        return check_request(
-            prompt,
-            params,
-            tokenize=self.tokenize,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-        )
 
     def add_request(
         self,
