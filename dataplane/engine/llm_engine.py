@@ -83,6 +83,8 @@ class _RequestState:
     stream: bool = True
     # Whether each step detokenizes this request's new tokens.
     detokenize_each_step: bool = True
+    # Outputs carry only what is new (SamplingParams.output_kind "delta").
+    delta: bool = False
     # Output tokens fed to the detokenizer, and text it gave that no output has carried yet.
     num_detokenized: int = 0
     pending_text: str = ""
@@ -201,6 +203,7 @@ class LLMEngine(PromptChecks):
             logprobs=[] if params.logprobs is not None else None,
             stream=stream,
             detokenize_each_step=stream or bool(params.stop),
+            delta=params.output_kind == "delta",
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -304,12 +307,11 @@ class LLMEngine(PromptChecks):
 
     def _make_output(self, state: _RequestState, new_token_ids: list[int], new_text: str) -> RequestOutput:
         seq = state.seq
-        delta = seq.params.output_kind == "delta"
-        if not delta:
+        if not state.delta:
             state.text += new_text
         state.num_reported_tokens += len(new_token_ids)
         return request_output(
-            delta=delta,
+            delta=state.delta,
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             text=state.text,

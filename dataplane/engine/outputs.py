@@ -60,7 +60,7 @@ def request_output(
     a cumulative output takes copies of them, a delta output only their new tail."""
     if delta:
         if logprobs is not None:
-            logprobs = logprobs[len(logprobs) - len(new_token_ids) :] if new_token_ids else []
+            logprobs = logprobs[len(logprobs) - len(new_token_ids) :]
         return RequestOutput(
             request_id,
             [],

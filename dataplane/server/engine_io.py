@@ -62,16 +62,12 @@ def engine_max_model_len(engine: Any) -> int | None:
 
 
 def _event(index: int, output: Any) -> ChoiceEvent:
-    new_ids = tuple(output.new_token_ids or ())
-    logprobs = None
-    if output.logprobs is not None:
-        tail = list(output.logprobs[len(output.logprobs) - len(new_ids) :]) if new_ids else []
-        logprobs = tuple(tail)
+    # A delta output (the server asks for them): its logprobs are the new tokens' alone.
     return ChoiceEvent(
         index=index,
         new_text=output.new_text or "",
-        new_token_ids=new_ids,
-        logprobs=logprobs,
+        new_token_ids=tuple(output.new_token_ids or ()),
+        logprobs=tuple(output.logprobs) if output.logprobs is not None else None,
         finish_reason=output.finish_reason if output.finished else None,
         error=getattr(output, "error", None),
     )

@@ -157,13 +157,10 @@ class ModelManager:
                 self._spawn(self._unload(slot))
 
     async def _ensure_loaded(self, slot: VersionSlot) -> None:
-        if slot.state is LoadState.LOADED:
-            failure = getattr(slot.engine, "failure", None)
-            if failure is None:
-                return
-            # The engine died under this version (its process crashed): this request loads it again.
-            log.error("%s can no longer serve: %s; loading it again", slot.spec.label, failure)
-            await self._unload(slot)
+        if slot.state is LoadState.LOADED and getattr(slot.engine, "failure", None) is None:
+            return
+        # An engine that died before its failure hook ran is found here: this request loads it again.
+        await self._unload_if_dead(slot)
         if slot.state is LoadState.FAILED and self.clock() - slot.failed_at < self.load_retry_seconds:
             raise ModelUnavailable(
                 f"version '{slot.spec.label}' failed to load: {slot.error}", code="model_load_failed"
@@ -210,14 +207,18 @@ class ModelManager:
         """A loaded engine died: unload it now, and load a preloaded version again at once (others load
         on their next request), so that readiness tells the truth meanwhile."""
         if slot.engine is engine:
-            log.error("%s can no longer serve: %s", slot.spec.label, engine.failure)
             self._spawn(self._restart(slot))
 
     async def _restart(self, slot: VersionSlot) -> None:
-        if slot.engine is not None and getattr(slot.engine, "failure", None) is not None:
-            await self._unload(slot)
+        await self._unload_if_dead(slot)
         if slot.spec.preload and not slot.retired:
             await self._preload(slot)
+
+    async def _unload_if_dead(self, slot: VersionSlot) -> None:
+        failure = getattr(slot.engine, "failure", None) if slot.state is LoadState.LOADED else None
+        if failure is not None:
+            log.error("%s can no longer serve: %s; unloading it", slot.spec.label, failure)
+            await self._unload(slot)
 
     def _fail(self, slot: VersionSlot, reason: str) -> None:
         slot.state, slot.error, slot.failed_at, slot.size_bytes = LoadState.FAILED, reason, self.clock(), 0
