@@ -5,7 +5,7 @@ The model runner's forward and sampler are replaced by stand-ins that return at 
 tokens from numpy), so what is timed is only what the host does around them every step:
 
 - schedule: `Scheduler.schedule`
-- prepare: the model runner building the step's input arrays (from `execute` entry to the forward)
+- prepare: the model runner building the step's input arrays (from `launch` entry to the forward)
 - post: everything after the sampled tokens are known until `step` returns (scheduler update,
   detokenization, stop checks, the per-request outputs)
 

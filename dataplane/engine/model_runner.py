@@ -147,10 +147,6 @@ class ModelRunner:
             return config.kv_cache_bytes
         return int(memory_info(self.device).free_bytes * config.kv_cache_memory_fraction)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Runs a step and waits for its tokens."""
-        return self.launch(out).result()
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queues a step's forward and sampling on the device; no wait for the device."""
