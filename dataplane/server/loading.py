@@ -59,7 +59,8 @@ def load_engine(spec: VersionSpec) -> Any:
 def engine_in_own_process(device: Any, cuda_available: bool) -> bool:
     """GPU engines step in their own process: there a step is a few milliseconds, and sharing the
     interpreter lock with the HTTP event loop (tens of microseconds per streamed token) would leave
-    the GPU waiting. A CPU engine's step is long and mostly outside the lock: it stays a thread."""
+    the GPU waiting. A CPU engine's step is long and mostly outside the lock: it stays a thread. (Not
+    `device.resolve_device`: that would open a CUDA context in the server process, which needs none.)"""
     if device is None or device == "auto":
         return cuda_available
     return str(device).split(":")[0] == "cuda"  # ROCm GPUs are torch "cuda" devices too
