@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 # Temperatures below this are greedy.
 GREEDY_EPSILON = 1e-5
 OUTPUT_KINDS = ("cumulative", "delta")
+# Integers reach torch as int64: a value past this range would fail the whole batch's step, not just its
+# own request, so it is refused when the request is added.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# OpenAI's own cap on top_logprobs (and vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -36,21 +41,25 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
+        self.validate()
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """ValueError naming the first bad field. Called again when a request is added, since the fields
+        of a dataclass can be changed after it was built."""
         if not _is_int(self.n) or self.n != 1:
             raise ValueError(f"n: {self.n!r} is not supported; only n=1 (send several requests instead)")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: {self.temperature!r} must be >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: {self.top_p!r} must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k: {self.top_k!r} must be -1 or 0 (all tokens) or a positive integer")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(
+                f"top_k: {self.top_k!r} must be -1 or 0 (all tokens) or a positive integer below 2**63"
+            )
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p: {self.min_p!r} must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed: {self.seed!r} must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed: {self.seed!r} must be None or a 64-bit signed integer")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty: {self.repetition_penalty!r} must be > 0 (1 means none)")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -63,8 +72,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: {self.max_tokens!r} must be an integer >= 1")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs: {self.logprobs!r} must be None or an integer >= 0")
+        bad_logprobs = not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        if self.logprobs is not None and bad_logprobs:
+            raise ValueError(f"logprobs: {self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind: {self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
 

@@ -55,6 +55,8 @@ class PromptChecks:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        else:
+            params.validate()
         if not isinstance(prompt, str | list | tuple):
             raise ValueError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
         token_ids = self.tokenize(prompt) if prompt else []

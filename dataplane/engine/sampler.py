@@ -180,7 +180,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k_enabled else vocab for p in params]).to(
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params]).to(
         device, non_blocking=True
     )
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
@@ -210,7 +210,7 @@ def _top_logprobs(
     """On the device: the chosen tokens' log-probabilities and the top num_logprobs (values, ids)."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     if num_logprobs > 0:
-        top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        top_values, top_ids = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
     else:
         top_values, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
     return chosen, top_values, top_ids
