@@ -3,8 +3,8 @@
 Polling the file's content (not inotify) works the same on every file system and with Kubernetes
 ConfigMap volumes, which swap a symlink rather than writing the file. A change is applied once two
 checks in a row read the same content, so a file caught half-written by an editor (or truncated to zero
-bytes before the rewrite) is never applied. A bad manifest is logged and counted; the server keeps
-serving the last good one.
+bytes, or left blank, before the rewrite) is never applied. A bad manifest is logged and counted; the
+server keeps serving the last good one.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ log = logging.getLogger("modelfleet.server")
 
 
 def _digest(path: Path) -> str | None:
-    """The content's digest; None for an unreadable or zero-byte file (a rewrite in progress)."""
+    """The content's digest; None for an unreadable or blank file (a rewrite in progress). A blank file
+    would parse as a manifest without models and unload them all; `models: []` says that on purpose."""
     try:
         content = path.read_bytes()
     except OSError:
         return None
-    return hashlib.sha256(content).hexdigest() if content else None
+    return hashlib.sha256(content).hexdigest() if content.strip() else None
 
 
 class ManifestWatcher:

@@ -54,3 +54,15 @@ def test_an_invalid_manifest_is_counted_and_not_applied(tmp_path):
     watcher.check()
     assert not watcher.check()
     assert applied == [] and results == ["invalid"]
+
+
+def test_a_blank_file_never_unloads_the_models_but_an_explicit_empty_list_does(tmp_path):
+    path = tmp_path / "manifest.yaml"
+    path.write_text(manifest(100))
+    watcher, applied, results = make_watcher(path)
+    path.write_text(" \n\t\n")
+    assert not watcher.check() and not watcher.check()
+    assert applied == [] and results == []
+    path.write_text("models: []\n")
+    assert not watcher.check() and watcher.check()
+    assert applied[0].models == []
