@@ -154,3 +154,18 @@ def test_the_owner_is_allowed(client: TestClient):
             assert answer.status_code == 403, (method, path)
         else:
             assert answer.status_code < 300, (method, path, answer.text)
+
+
+def test_a_tenant_key_reads_only_its_own_audit_trail(client: TestClient, world: dict[str, Any]):
+    """`?tenant=` is an admin filter: a tenant key naming another tenant still gets only its own events."""
+    victim = world["victim"]
+    assert client.get(f"{API}/audit", params={"tenant": victim}, headers=ADMIN).json()["count"] > 0
+    intruder = client.get(f"{API}/me", headers=world["intruder_headers"]).json()["tenant"]
+    for params in ({"tenant": victim}, {"tenant": victim, "action": "model.traffic"}, {}):
+        answer = client.get(f"{API}/audit", params=params, headers=world["intruder_headers"])
+        assert answer.status_code == 200, answer.text
+        events = answer.json()["data"]
+        assert victim not in answer.text
+        assert {e["tenant"] for e in events} <= {intruder}
+    own = client.get(f"{API}/audit", headers=world["intruder_headers"]).json()
+    assert own["count"] > 0 and {e["tenant"] for e in own["data"]} == {intruder}

@@ -224,3 +224,23 @@ def test_equal_priority_arrival_waits_instead_of_preempting():
     out = step(sched)
     assert out.preempted_request_ids == []
     assert [rid for rid, *_ in plan(out)] == ["a", "b"]
+
+
+def test_no_admission_in_a_step_that_had_to_preempt():
+    # 3 blocks: a and b take one each. Next step a takes the last free block and b, unable to grow,
+    # preempts itself, freeing a block that would fit the waiting c; c still waits for the next step.
+    sched = make_scheduler(num_blocks=3, prefix=False)
+    a = add(sched, "a", 4)
+    b = add(sched, "b", 4, first=100)
+    step(sched)
+    c = add(sched, "c", 2, priority=-1, first=200)
+    out = step(sched)
+    assert out.preempted_request_ids == ["b"]
+    assert plan(out) == [("a", 4, 1)]
+    assert sched.block_manager.num_free_blocks == 1  # room for c, left unused in this step
+    assert c.status is SequenceStatus.WAITING and b.status is SequenceStatus.PREEMPTED
+    assert a.block_ids == [0, 2]
+    # The next step, with no preemption, admits c (higher priority than b).
+    out = step(sched)
+    assert out.preempted_request_ids == []
+    assert plan(out) == [("a", 5, 1), ("c", 0, 2)]

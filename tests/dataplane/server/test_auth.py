@@ -163,3 +163,33 @@ async def test_cancelled_waiter_leaves_the_queue():
         assert queue.waiting == 0
     async with queue.admit():
         assert queue.running == 1
+
+
+async def test_admission_queue_refuses_exactly_one_past_max_waiting():
+    """With 1 running and max_waiting=2, a second waiter still queues and the third is refused at once
+    (checked without awaiting it, so a queue that lets one more wait fails here instead of hanging)."""
+    queue = AdmissionQueue(max_running=1, max_waiting=2)
+    release = asyncio.Event()
+
+    async def job() -> None:
+        async with queue.admit():
+            await release.wait()
+
+    jobs = [asyncio.create_task(job()) for _ in range(3)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert (queue.running, queue.waiting) == (1, 2)
+    assert not any(j.done() for j in jobs)
+    extra = asyncio.create_task(job())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    try:
+        assert extra.done(), "a third waiter was queued past max_waiting=2"
+        assert isinstance(extra.exception(), RateLimited)
+        assert "queue limit 2" in extra.exception().message
+        assert (queue.running, queue.waiting) == (1, 2)
+    finally:
+        extra.cancel()
+        release.set()
+        await asyncio.gather(*jobs, return_exceptions=True)
+    assert (queue.running, queue.waiting) == (0, 0)

@@ -143,3 +143,55 @@ def test_request_limits_name_the_limit(settings, request_args, prompt_len, messa
         check_request(ServerSettings(**settings), request, [[1] * prompt_len], 64)
     assert message in info.value.message
     assert info.value.status == 400
+
+
+# Each limit at its value passes and one past it is refused: a limit moved by one fails one of the two.
+@pytest.mark.parametrize(
+    ("settings", "at_limit", "one_past", "param"),
+    [
+        ({"max_prompt_tokens": 8}, (8, {}), (9, {}), "prompt"),
+        ({}, (63, {}), (64, {}), "prompt"),  # max_model_len - 1
+        ({"max_tokens_limit": 10}, (4, {"max_tokens": 10}), (4, {"max_tokens": 11}), "max_tokens"),
+        # The prompt plus max_tokens up to max_model_len, moving either of the two.
+        ({}, (4, {"max_tokens": 60}), (4, {"max_tokens": 61}), "max_tokens"),
+        ({"max_prompt_tokens": 100}, (63, {"max_tokens": 1}), (64, {"max_tokens": 1}), "max_tokens"),
+        ({"max_n": 2}, (4, {"n": 2}), (4, {"n": 3}), "n"),
+        ({"max_logprobs": 5}, (4, {"logprobs": 5}), (4, {"logprobs": 6}), "logprobs"),
+    ],
+)
+def test_request_limits_at_and_one_past_the_limit(settings, at_limit, one_past, param):
+    from modelfleet.dataplane.server.checks import check_request
+    from modelfleet.dataplane.server.errors import BadRequest
+
+    server = ServerSettings(**settings)
+    prompt_len, args = at_limit
+    params = check_request(server, CompletionRequest(model="m", prompt="x", **args), [[1] * prompt_len], 64)
+    assert params.max_tokens == args.get("max_tokens", server.default_max_tokens)
+    assert params.logprobs == args.get("logprobs")
+    prompt_len, args = one_past
+    with pytest.raises(BadRequest) as info:
+        check_request(server, CompletionRequest(model="m", prompt="x", **args), [[1] * prompt_len], 64)
+    assert info.value.param == param
+    assert info.value.status == 400
+
+
+async def test_prompt_tokens_are_charged_to_the_key(dataplane):
+    """A long prompt with max_tokens=1 costs its prompt tokens too: 40 + 1 tokens against a bucket of 30
+    leaves it 11 below zero, so the key's next request waits ceil(12 * 60 / 30) = 24 s."""
+    from modelfleet.dataplane.server.auth import KeyLimits, Principal, RateLimiter
+    from modelfleet.dataplane.server.errors import RateLimited
+
+    now = [1000.0]
+    dataplane.limiter = RateLimiter(clock=lambda: now[0])
+    caller = RequestContext(principal=Principal("team", KeyLimits(tokens_per_minute=30)))
+    request = CompletionRequest(model="m", prompt=[1] * 40, max_tokens=1)
+    answer = await (await dataplane.completion(request, caller)).response()
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (40, 1)
+    with pytest.raises(RateLimited) as info:
+        await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=1), caller)
+    assert info.value.headers["Retry-After"] == "24"
+    now[0] += 24  # refilled to 1 token: admitted again
+    again = await (
+        await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=1), caller)
+    ).response()
+    assert again.usage.completion_tokens == 1
