@@ -46,7 +46,8 @@ class OperatorSettings(BaseSettings):
     dataplane_memory: str = "16Gi"
 
     # The HorizontalPodAutoscaler (when replicas.max > replicas.min).
-    hpa_metric: str = Field(default="modelfleet_num_requests_waiting", description="a per-pod metric")
+    # The data plane's per-pod count of requests not yet started (admission and engine queues).
+    hpa_metric: str = Field(default="modelfleet_pod_requests_waiting", description="a per-pod metric")
     hpa_target_average: str = Field(default="4", description="target average of hpa_metric per pod")
 
     # Conversion Jobs.

@@ -19,12 +19,13 @@ from typing import Any
 
 from modelfleet.dataplane.manifest import ServingManifest
 from modelfleet.dataplane.server import tracing as tr
-from modelfleet.dataplane.server.admission import AdmissionQueue
+from modelfleet.dataplane.server.admission import Admission
 from modelfleet.dataplane.server.auth import KeyStore, Principal, RateLimiter
 from modelfleet.dataplane.server.checks import check_request, requested_max_tokens
 from modelfleet.dataplane.server.engine_io import engine_max_model_len, merged_events
 from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable, ServerError
 from modelfleet.dataplane.server.generation import CLIENT_GONE, Generation, end_span
+from modelfleet.dataplane.server.loading import engine_max_num_seqs
 from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.model_manager import LoadState, ModelManager, VersionSpec
 from modelfleet.dataplane.server.protocol import (
@@ -71,7 +72,8 @@ class DataPlane:
         self.tracer = tracer or trace.get_tracer(tr.TRACER_NAME)
         self.rng = rng or random.Random()
         self.limiter = RateLimiter()
-        self.admission = AdmissionQueue(settings.max_running, settings.max_waiting)
+        self.admission = Admission(settings.max_waiting, cap=settings.max_running)
+        metrics.count_admission(self.admission.waiting_by_version)
         self.manifest = ServingManifest()
         self.tables: dict[str, RoutingTable] = {}
         self.manifest_loaded = False
@@ -111,6 +113,13 @@ class DataPlane:
         weights = {(m.name, v.name): v.weight for m in self.manifest.models for v in m.versions}
         for d in details:
             d["weight"] = weights.get((d["model"], d["version"]))
+        for d in details:
+            slot = self.manager.slots.get((d["model"], d["version"]))
+            if slot is not None and slot.state is LoadState.LOADED and slot.engine is not None:
+                # What the engine really runs with, to compare with the manifest's engine settings.
+                d["max_num_seqs"] = engine_max_num_seqs(slot.engine, slot.spec)
+                d["max_model_len"] = engine_max_model_len(slot.engine)
+                d["admission_limit"] = self.admission.limit(d["max_num_seqs"])
         ready = self.manifest_loaded and self.manager.ready()
         return ready, {"ready": ready, "manifest_loaded": self.manifest_loaded, "versions": details}
 
@@ -159,10 +168,11 @@ class DataPlane:
                 slot = await stack.enter_async_context(self.manager.lease(model_name, version))
                 prompts = renderer.prompt_token_ids(slot.engine.tokenizer)
                 params = check_request(self.settings, request, prompts, engine_max_model_len(slot.engine))
+                gate = self.admission.gate(model_name, version, engine_max_num_seqs(slot.engine, slot.spec))
                 with self.tracer.start_as_current_span("queue"):
                     self.metrics.queue_waiting.set(self.admission.waiting + 1)
                     try:
-                        await stack.enter_async_context(self.admission.admit())
+                        await stack.enter_async_context(gate.admit())
                     finally:
                         self.metrics.queue_waiting.set(self.admission.waiting)
                 num_prompt = sum(len(p) for p in prompts) * request.n

@@ -24,6 +24,17 @@ def engine_kwargs(spec: VersionSpec) -> dict[str, Any]:
     return {key: json.loads(value) for key, value in spec.engine_config}
 
 
+def engine_max_num_seqs(engine: Any, spec: VersionSpec) -> int:
+    """Sequences the engine runs at once: its own config where it keeps one (the threaded engines), else
+    the setting it was started with (an engine process keeps its config in the child)."""
+    for owner in (engine, getattr(engine, "engine", None)):
+        value = getattr(getattr(owner, "config", None), "max_num_seqs", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    value = engine_kwargs(spec).get("max_num_seqs", EngineConfig.max_num_seqs)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
 def is_onnx_artifact(artifact: Path) -> bool:
     manifest = artifact / "manifest.json"
     if manifest.is_file():

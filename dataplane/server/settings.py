@@ -28,8 +28,10 @@ class ServerSettings(BaseSettings):
     default_tokens_per_minute: int = Field(default=0, ge=0, description="per key; 0 means unlimited")
     default_max_concurrent: int = Field(default=0, ge=0, description="per key; 0 means unlimited")
 
-    # Admission: requests beyond `max_running` wait in a queue of at most `max_waiting`; past it, 429.
-    max_running: int = Field(default=64, ge=1)
+    # Admission, per loaded version: as many requests run as its engine runs sequences at once (the
+    # manifest's engine max_num_seqs); `max_running` > 0 lowers that. The rest wait, at most
+    # `max_waiting` in the whole server; past it, 429.
+    max_running: int = Field(default=0, ge=0, description="0: each engine's max_num_seqs")
     max_waiting: int = Field(default=256, ge=0)
 
     # Request limits (the engine's max model length applies too).

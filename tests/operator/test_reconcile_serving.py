@@ -186,7 +186,7 @@ def test_hpa_only_when_replicas_may_vary_and_always_a_pdb(example_objects):
     kinds = by_kind(plan)
     hpa = kinds["HorizontalPodAutoscaler"]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 3)
-    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "modelfleet_num_requests_waiting"
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == "modelfleet_pod_requests_waiting"
     assert "replicas" not in kinds["Deployment"]["spec"]  # the HPA owns it
     assert plan.remove == []
     assert kinds["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1  # never blocks a drain of 1 pod
