@@ -93,22 +93,21 @@ OPERATOR_WORKLOAD_GRANTS = {
     ("modelfleet.dev", "modelversions/finalizers", "update"),
     *{("batch", "jobs", v) for v in ("list", "watch", "create", "patch")},
     ("", "pods", "list"),
-    *{("", r, v) for r in ("configmaps", "services") for v in ("create", "patch")},
+    *{("", r, v) for r in ("configmaps", "services") for v in ("list", "watch", "create", "patch")},
     *{("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")},
     *{("autoscaling", "horizontalpodautoscalers", v) for v in ("create", "patch", "delete")},
-    *{("policy", "poddisruptionbudgets", v) for v in ("create", "patch", "delete")},
+    *{("policy", "poddisruptionbudgets", v) for v in ("create", "patch")},
     ("", "events", "create"),
 }
 OPERATOR_FRAMEWORK_GRANTS = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
-    ("", "namespaces", "list"),
-    ("", "namespaces", "watch"),
 }
+# kopf lists and watches namespaces only when it serves a list of them.
+OPERATOR_NAMESPACE_DISCOVERY_GRANTS = {("", "namespaces", "list"), ("", "namespaces", "watch")}
 OPERATOR_CLUSTER_WIDE_GRANTS = {
     ("kopf.dev", "clusterkopfpeerings", "list"),
     ("kopf.dev", "clusterkopfpeerings", "watch"),
-    ("kopf.dev", "clusterkopfpeerings", "get"),
     ("kopf.dev", "clusterkopfpeerings", "patch"),
 }
 CONTROL_PLANE_GRANTS = {
@@ -267,10 +266,10 @@ def test_operator_grants_exactly_what_it_uses(rendered) -> None:
 def test_operator_rbac_is_namespaced_when_namespaces_are_listed(rendered) -> None:
     docs = rendered[("custom-images", KUBERNETES_VERSIONS[-1])]
     operator = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
-    assert grants(operator) == OPERATOR_FRAMEWORK_GRANTS
+    assert grants(operator) == OPERATOR_FRAMEWORK_GRANTS | OPERATOR_NAMESPACE_DISCOVERY_GRANTS
     roles = [doc for doc in docs if doc["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    peering_grants = {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+    peering_grants = {("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")}
     for role in roles:
         assert grants(role) == OPERATOR_WORKLOAD_GRANTS | peering_grants
     peerings = [doc for doc in docs if doc["kind"] == "KopfPeering"]

@@ -91,6 +91,16 @@ capabilities:
 {{- end }}
 {{- end }}
 
+{{/* Fixed names of what the control plane writes in each tenant namespace (controlplane/resources.py:
+KEYS_SECRET, QUOTA_NAME): its RBAC grants name them, and the operator mounts the Secret by this name. */}}
+{{- define "modelfleet.apiKeysSecretName" -}}
+modelfleet-api-keys
+{{- end }}
+
+{{- define "modelfleet.tenantQuotaName" -}}
+modelfleet-quota
+{{- end }}
+
 {{- define "modelfleet.database.secretName" -}}
 {{- if .Values.database.postgresql.existingSecret }}
 {{- .Values.database.postgresql.existingSecret }}
