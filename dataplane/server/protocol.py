@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 def new_id(prefix: str) -> str:
@@ -17,9 +17,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _first_non_utf8(value: Any, path: str) -> str | None:
+    """The path of the first string that cannot be encoded as UTF-8 (a lone surrogate from a JSON
+    escape such as \\ud800), or None. The tokenizer would fail on it deep inside a request."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_non_utf8(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _first_non_utf8(item, f"{path}[{index}]")
+            if found:
+                return found
+    return None
+
+
 class _Request(BaseModel):
     # Clients send fields this server does not use (e.g. `logit_bias`); ignore rather than reject them.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_only(cls, data: Any) -> Any:
+        found = _first_non_utf8(data, "")
+        if found:
+            raise ValueError(f"{found}: contains a lone surrogate; send valid UTF-8 text")
+        return data
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -61,17 +90,38 @@ class CompletionRequest(_Request):
         return value
 
 
+class TextPart(BaseModel):
+    """The one content part this server reads; any other type (an image, audio) is refused, not dropped."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, value: Any) -> Any:
+        """Name the bad part, rather than the union's first branch ("should be a valid string")."""
+        if not isinstance(value, list):
+            return value
+        for index, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content[{index}].type: {kind!r} is not supported; send text parts only")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content[{index}].text: must be a string")
+        return value
 
     def text(self) -> str:
-        """Content as plain text; list content keeps only its text parts."""
+        """Content as plain text."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Request):
