@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -27,7 +28,27 @@ VERSION_HEADER = "x-modelfleet-version"
 _UNTRACED_PATHS = ("/health", "/ready", "/metrics")
 
 
+class RedactApiKeys(logging.Filter):
+    """uvicorn logs each WebSocket's path with its query string, where a browser client puts `api_key`."""
+
+    PATTERN = re.compile(r"(api_key=)[^&\s\"']+")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "api_key=" in message:
+            record.msg, record.args = self.PATTERN.sub(r"\1[redacted]", message), ()
+        return True
+
+
+def _redact_keys_in_server_logs() -> None:
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactApiKeys) for f in logger.filters):
+            logger.addFilter(RedactApiKeys())
+
+
 def create_app(dataplane: DataPlane, *, lifespan=None) -> FastAPI:
+    _redact_keys_in_server_logs()
     app = FastAPI(title="modelfleet", lifespan=lifespan)
     app.state.dataplane = dataplane
     app.add_middleware(HttpSpanMiddleware, tracer=dataplane.tracer)
@@ -156,8 +177,14 @@ async def _serve_socket(dataplane: DataPlane, socket: WebSocket) -> None:
         return
     with contextlib.suppress(WebSocketDisconnect):
         while True:
-            message = await socket.receive_text()
-            await _socket_request(dataplane, socket, message, caller)
+            message = await socket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("text") is None:
+                error = BadRequest("binary frames are not supported; send each request as a JSON text frame")
+                await socket.send_json({"type": "error", **error.body()})
+                continue
+            await _socket_request(dataplane, socket, message["text"], caller)
 
 
 async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str, caller: Principal) -> None:
@@ -174,6 +201,8 @@ async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str,
                     generation = await dataplane.completion(CompletionRequest(**data), ctx)
             except json.JSONDecodeError:
                 raise BadRequest("request is not valid JSON; send a JSON object") from None
+            except RecursionError:
+                raise BadRequest("request is nested too deeply; send a flat JSON object") from None
             except ValidationError as exc:
                 text, param = validation_message(exc.errors())
                 raise BadRequest(text, param=param) from None
@@ -186,6 +215,14 @@ async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str,
             await socket.send_json({"type": "done", "usage": generation.renderer.usage().model_dump()})
         except ServerError as exc:
             await socket.send_json({"type": "error", **exc.body()})
+        except WebSocketDisconnect:
+            raise
+        except Exception as exc:  # one failed request never takes the socket (and its other requests) down
+            log.exception("unexpected error on the WebSocket")
+            body = error_body(
+                f"internal error: {type(exc).__name__}", type_="server_error", code="internal_error"
+            )
+            await socket.send_json({"type": "error", **body})
 
 
 class HttpSpanMiddleware:
