@@ -12,6 +12,9 @@ OUTPUT_KINDS = ("cumulative", "delta")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # OpenAI's own cap on top_logprobs (and vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# Every stop string is looked for after every step: a request with thousands of them slowed every other
+# request of its engine. OpenAI takes at most 4.
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 1000
 
 
 @dataclass
@@ -68,6 +71,10 @@ class SamplingParams:
                 raise ValueError(f"{name}: {value!r} must be in [-2, 2]")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop: {self.stop!r} must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise ValueError(
+                f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters each"
+            )
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} must be non-negative integers")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 from modelfleet.dataplane import LLM, SamplingParams
-from modelfleet.dataplane.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
+from modelfleet.dataplane.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+)
 
 # Each of these once overflowed in the engine step (int64 tensors, manual_seed, topk) and failed every
 # request in the batch.
@@ -56,3 +62,11 @@ def test_top_k_above_the_vocabulary_keeps_every_token(llm):
     huge = llm.generate(prompt, SamplingParams(max_tokens=8, top_k=vocab * 1000, seed=7))[0]
     everything = llm.generate(prompt, SamplingParams(max_tokens=8, top_k=vocab, seed=7))[0]
     assert huge.token_ids == everything.token_ids
+
+
+def test_stop_strings_are_bounded_in_number_and_length():
+    SamplingParams(stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS)
+    with pytest.raises(ValueError, match=r"^stop: at most 16 strings"):
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(ValueError, match=r"^stop: at most"):
+        SamplingParams(stop=["x" * (MAX_STOP_LENGTH + 1)])
