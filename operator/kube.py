@@ -107,6 +107,36 @@ class Kube:
             if all(i.get("metadata", {}).get("labels", {}).get(k) == v for k, v in (labels or {}).items())
         ]
 
+    def list_events(
+        self, namespace: str, kind: str, name: str, uid: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The core/v1 Events about one object (e.g. a Job's FailedCreate), in no particular order."""
+        fields = {"involvedObject.kind": kind, "involvedObject.name": name}
+        if uid:  # a re-created object of the same name must not inherit the old one's events
+            fields["involvedObject.uid"] = uid
+        query = [("fieldSelector", ",".join(f"{k}={v}" for k, v in fields.items()))]
+        try:
+            items = self._call("GET", f"/api/v1/namespaces/{namespace}/events", query=query).get("items", [])
+        except KubeError as exc:
+            if exc.status == 404:
+                return []
+            raise
+        # Filter again, as `list` does with labels.
+        return [
+            e
+            for e in items
+            if all((e.get("involvedObject") or {}).get(k.split(".", 1)[1]) == v for k, v in fields.items())
+        ]
+
+    def get_path(self, path: str) -> dict[str, Any] | None:
+        """GET any API path (discovery, cluster-scoped or foreign kinds); None on 404."""
+        try:
+            return self._call("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply with our one field manager; force takes over fields we used to share."""
         meta = obj["metadata"]

@@ -17,7 +17,7 @@ from modelfleet.operator.api import API_VERSION, InferenceModel, InferenceModelS
 from modelfleet.operator.kube import Kube, KubeError, status_patch
 from modelfleet.operator.metrics_source import MetricsSource, ScrapeError
 from modelfleet.operator.reconcile import conversion, names, rollout
-from modelfleet.operator.reconcile.conditions import condition, merge_conditions, now_rfc3339
+from modelfleet.operator.reconcile.conditions import condition, find, merge_conditions, now_rfc3339
 from modelfleet.operator.reconcile.model_status import invalid_spec_status, model_status
 from modelfleet.operator.reconcile.plan import duplicate_versions, serving_plan, version_views
 from modelfleet.operator.reconcile.serving import endpoint
@@ -112,16 +112,20 @@ def reconcile_version(
             if job is None and meta.get("deletionTimestamp"):
                 outcomes[slug] = conversion.JobOutcome("missing")
                 continue
+            created = job is None
             if job is None:
                 # Jobs are immutable once created; create only the missing ones.
                 job = ctx.kube.apply(conversion.conversion_job(mv, version, target, ctx.settings))
                 ctx.event(
                     mv, "Normal", "ConversionStarted", f"created Job {job['metadata']['name']} for {slug}"
                 )
-            pods = []
+            pods, job_events = [], []
             if _job_finished(job):
                 pods = ctx.kube.list("v1", "Pod", namespace, {"job-name": job["metadata"]["name"]})
-            outcomes[slug] = conversion.job_outcome(job, pods, target)
+            elif not created and not (job.get("status") or {}).get("active"):
+                # No pod of this Job exists: if none can be created, only the Job's Events say why.
+                job_events = _job_events(ctx, job)
+            outcomes[slug] = conversion.job_outcome(job, pods, target, job_events)
     status = version_status(
         generation=generation,
         targets=targets,
@@ -130,13 +134,40 @@ def reconcile_version(
         now=ctx.clock(),
     )
     before = (mv.get("status") or {}).get("phase")
-    if _write_status(ctx, mv, status) and before != status["phase"]:
-        ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    before_reason = (find((mv.get("status") or {}).get("conditions"), "Ready") or {}).get("reason")
+    written = _write_status(ctx, mv, status)
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    if written and before != status["phase"]:
         type_ = "Warning" if status["phase"] == "Failed" else "Normal"
         ctx.event(
             mv, type_, ready["reason"], f"phase {before or 'none'} -> {status['phase']}: {ready['message']}"
         )
+    elif written and ready["reason"] in conversion.POD_CREATION_REASONS and ready["reason"] != before_reason:
+        # Still Converting, but stuck: a refused pod is worth a Warning of its own (once per refusal).
+        ctx.event(mv, "Warning", ready["reason"], ready["message"])
     return status
+
+
+_events_forbidden_said = False
+
+
+def _job_events(ctx: Context, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Job's Events; none (said once in the log) when RBAC does not let the operator list them."""
+    global _events_forbidden_said
+    meta = job["metadata"]
+    try:
+        return ctx.kube.list_events(meta["namespace"], "Job", meta["name"], meta.get("uid"))
+    except KubeError as exc:
+        if exc.status != 403:
+            raise
+        if not _events_forbidden_said:
+            _events_forbidden_said = True
+            log.warning(
+                "cannot list Events (%s): a conversion Job whose pods are refused will show as Converting "
+                "without the reason; grant the operator `list` on events",
+                exc,
+            )
+        return []
 
 
 def _job_finished(job: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ or extra API permissions for the Job.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -194,9 +195,12 @@ class ConversionResult:
 
 @dataclass(frozen=True)
 class JobOutcome:
-    state: Literal["missing", "running", "succeeded", "failed"]
+    # blocked: the Job exists but its pod cannot be created (a ResourceQuota, an admission webhook); the
+    # Job controller keeps retrying, so this may clear by itself. `reason` and `message` say why.
+    state: Literal["missing", "running", "blocked", "succeeded", "failed"]
     result: ConversionResult | None = None
     message: str = ""
+    reason: str = ""
 
 
 def _failure_reason(text: str, exit_code: int | None) -> str:
@@ -254,8 +258,55 @@ def _last_termination(pods: list[dict[str, Any]]) -> tuple[str | None, int | Non
     return message, code
 
 
-def job_outcome(job: dict[str, Any] | None, pods: list[dict[str, Any]], target: Target) -> JobOutcome:
-    """Where one conversion stands, from its Job and the Job's pods."""
+# The Job controller's Events about creating the Job's pods; only the newest one tells the present.
+POD_CREATION_EVENTS = ("FailedCreate", "SuccessfulCreate")
+POD_CREATION_REASONS = ("QuotaExceeded", "PodCreationFailed")
+_EPOCH = dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+def _event_time(event: dict[str, Any]) -> dt.datetime:
+    """When an Event last happened: core/v1 events carry lastTimestamp, events.k8s.io ones eventTime and
+    series.lastObservedTime."""
+    stamps = [
+        (event.get("series") or {}).get("lastObservedTime"),
+        event.get("lastTimestamp"),
+        event.get("eventTime"),
+        event.get("firstTimestamp"),
+        (event.get("metadata") or {}).get("creationTimestamp"),
+    ]
+    parsed = []
+    for stamp in stamps:
+        try:
+            parsed.append(dt.datetime.fromisoformat(str(stamp)))
+        except ValueError:
+            continue
+    return max(parsed, default=_EPOCH)
+
+
+def pod_creation_failure(events: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, message) when the newest pod-creation Event of a Job is a FailedCreate, else None.
+
+    A Job whose pods are refused shows nothing in its status; the Job controller says why only in these
+    Events. A later SuccessfulCreate means the refusal is over (a tie counts as over: never cry wolf).
+    """
+    relevant = [e for e in events if e.get("reason") in POD_CREATION_EVENTS]
+    if not relevant:
+        return None
+    newest = max(relevant, key=lambda e: (_event_time(e), e.get("reason") == "SuccessfulCreate"))
+    if newest.get("reason") != "FailedCreate":
+        return None
+    message = str(newest.get("message") or newest.get("note") or "the Job controller could not create a pod")
+    reason = "QuotaExceeded" if "exceeded quota" in message else "PodCreationFailed"
+    return reason, message[:MAX_MESSAGE]
+
+
+def job_outcome(
+    job: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    target: Target,
+    events: list[dict[str, Any]] | None = None,
+) -> JobOutcome:
+    """Where one conversion stands, from its Job, the Job's pods and (while it has none) its Events."""
     if job is None:
         return JobOutcome("missing")
     conditions = {c.get("type"): c for c in job.get("status", {}).get("conditions", []) or []}
@@ -271,4 +322,7 @@ def job_outcome(job: dict[str, Any] | None, pods: list[dict[str, Any]], target: 
             job_says = f"{failed.get('reason', 'Failed')}: {failed.get('message', '')}".strip(": ")
             result = ConversionResult(False, reason="JobFailed", message=job_says[:MAX_MESSAGE])
         return JobOutcome("failed", result)
+    refused = pod_creation_failure(events or [])
+    if refused is not None:
+        return JobOutcome("blocked", reason=refused[0], message=refused[1])
     return JobOutcome("running", message="conversion Job is running")

@@ -1,7 +1,9 @@
 """The status of a ModelVersion, from the outcomes of its conversion Jobs.
 
 Phase: Pending (no Job yet) -> Converting (Jobs exist, not all finished) -> Ready (every target has an
-artifact) or Failed (a target cannot be converted; the Ready condition's reason says why).
+artifact) or Failed (a target cannot be converted; the Ready condition's reason says why). A Job whose pod
+cannot be created stays Converting (the Job controller keeps retrying), with Ready's reason
+QuotaExceeded or PodCreationFailed and the Job controller's message.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _from_outcomes(
             else:
                 failures.append((slug, outcome.result.reason, outcome.result.message))
         else:
-            waiting.append((slug, outcome.state))
+            waiting.append((slug, outcome))
     if failures:
         slug, reason, message = failures[0]
         more = f" ({len(failures) - 1} more target(s) failed)" if len(failures) > 1 else ""
@@ -66,7 +68,14 @@ def _from_outcomes(
     if not waiting:
         text = f"{len(artifacts)} artifact(s) ready: " + ", ".join(target_slug(t) for t in targets)
         return "Ready", condition("Ready", True, "ArtifactsReady", text, generation), artifacts
-    started = [slug for slug, state in waiting if state != "missing"]
+    blocked = [(slug, outcome) for slug, outcome in waiting if outcome.state == "blocked"]
+    if blocked:
+        slug, outcome = blocked[0]
+        more = f" ({len(blocked) - 1} more target(s) blocked)" if len(blocked) > 1 else ""
+        text = f"conversion Job for {slug} cannot create its pod: {outcome.message}{more}"
+        reason = outcome.reason or "PodCreationFailed"
+        return "Converting", condition("Ready", False, reason, text, generation), artifacts
+    started = [slug for slug, outcome in waiting if outcome.state != "missing"]
     if not started:
         pending = ", ".join(slug for slug, _ in waiting)
         return (

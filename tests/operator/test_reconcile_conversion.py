@@ -265,3 +265,89 @@ def test_transition_time_kept_while_the_status_holds():
     later = status_for(running, old=first, now="2026-01-01T02:00:00Z")
     # Still not Ready (same status False): the transition time stays although the reason changed.
     assert ready_condition(later)["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+
+
+QUOTA = (
+    'Error creating: pods "chat-v2-convert-nvidia-h100-torch-bf16-x7k2p" is forbidden: exceeded quota: '
+    "no-pods, requested: pods=1, used: pods=0, limited: pods=0"
+)
+WEBHOOK = 'Error creating: admission webhook "policy.example.com" denied the request: no GPUs on Fridays'
+
+
+def job_event(reason: str, message: str = "", at: str = "2026-01-01T00:00:00Z", **extra) -> dict:
+    """A core/v1 Event of the Job controller about a conversion Job."""
+    type_ = "Warning" if reason == "FailedCreate" else "Normal"
+    return {"reason": reason, "type": type_, "message": message, "lastTimestamp": at, **extra}
+
+
+def test_the_newest_pod_creation_event_decides():
+    failure = conversion.pod_creation_failure
+    assert failure([]) is None
+    assert failure([job_event("FailedCreate", QUOTA)]) == ("QuotaExceeded", QUOTA)
+    assert failure([job_event("FailedCreate", WEBHOOK)]) == ("PodCreationFailed", WEBHOOK)
+    # The quota was lifted and the pod created: over.
+    later_ok = [job_event("FailedCreate", QUOTA), job_event("SuccessfulCreate", at="2026-01-01T00:01:00Z")]
+    assert failure(later_ok) is None
+    # A pod was created, then a retry was refused: the refusal is the present.
+    later_refused = [
+        job_event("SuccessfulCreate"),
+        job_event("FailedCreate", QUOTA, at="2026-01-01T00:01:00Z"),
+    ]
+    assert failure(later_refused) == ("QuotaExceeded", QUOTA)
+    # Events of other reasons say nothing about pod creation; a tie is no refusal.
+    assert failure([job_event("Completed"), job_event("SuccessfulDelete")]) is None
+    assert failure([job_event("FailedCreate", QUOTA), job_event("SuccessfulCreate")]) is None
+
+
+def test_events_of_the_new_api_are_read_by_their_own_times():
+    """events.k8s.io/v1 events (also listed through core/v1) carry eventTime, series and `note`."""
+    new_style = {
+        "reason": "FailedCreate",
+        "note": WEBHOOK,
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "series": {"count": 4, "lastObservedTime": "2026-01-01T00:09:00.000000Z"},
+    }
+    created = job_event("SuccessfulCreate", at="2026-01-01T00:05:00Z")
+    assert conversion.pod_creation_failure([created, new_style]) == ("PodCreationFailed", WEBHOOK)
+    unstamped = {"reason": "FailedCreate", "message": "x" * 5000}
+    assert conversion.pod_creation_failure([unstamped]) == ("PodCreationFailed", "x" * conversion.MAX_MESSAGE)
+
+
+def test_a_job_whose_pod_is_refused_is_blocked_until_it_finishes():
+    refused = job_outcome(job(), [], BF16, [job_event("FailedCreate", QUOTA)])
+    assert (refused.state, refused.reason, refused.message) == ("blocked", "QuotaExceeded", QUOTA)
+    # Once the Job is finished its conditions speak, whatever old events say.
+    done = job_outcome(
+        job([("Complete", "", "")]), [pod(summary())], BF16, [job_event("FailedCreate", QUOTA)]
+    )
+    assert done.state == "succeeded"
+
+
+def test_a_blocked_target_keeps_the_version_converting_and_says_why():
+    status = status_for(
+        {
+            "nvidia-h100-torch-bf16": JobOutcome("blocked", reason="QuotaExceeded", message=QUOTA),
+            "nvidia-h100-torch-fp8": JobOutcome("running"),
+        }
+    )
+    cond = ready_condition(status)
+    assert status["phase"] == "Converting"
+    assert (cond["status"], cond["reason"]) == ("False", "QuotaExceeded")
+    assert cond["message"] == f"conversion Job for nvidia-h100-torch-bf16 cannot create its pod: {QUOTA}"
+    # A failed target outranks a blocked one: the version cannot become Ready anyway.
+    bad = ConversionResult(False, reason="ValidationFailed", message="top-1 agreement 0.41 < 0.9")
+    failed = status_for(
+        {
+            "nvidia-h100-torch-bf16": JobOutcome("blocked", reason="PodCreationFailed", message=WEBHOOK),
+            "nvidia-h100-torch-fp8": JobOutcome("failed", bad),
+        }
+    )
+    assert failed["phase"] == "Failed" and ready_condition(failed)["reason"] == "ValidationFailed"
+    both = status_for(
+        {
+            "nvidia-h100-torch-bf16": JobOutcome("blocked", reason="PodCreationFailed", message=WEBHOOK),
+            "nvidia-h100-torch-fp8": JobOutcome("blocked", reason="QuotaExceeded", message=QUOTA),
+        }
+    )
+    assert ready_condition(both)["reason"] == "PodCreationFailed"
+    assert ready_condition(both)["message"].endswith("(1 more target(s) blocked)")
