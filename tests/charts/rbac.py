@@ -52,7 +52,7 @@ def service_account(namespace: str, name: str) -> str:
     return f"{SA_PREFIX}{namespace}:{name}"
 
 
-def _groups(user: str) -> set[str]:
+def groups(user: str) -> set[str]:
     """The groups the API server puts a service account in."""
     if not user.startswith(SA_PREFIX):
         return {"system:authenticated"}
@@ -67,7 +67,7 @@ def _subject_matches(subject: dict[str, Any], user: str) -> bool:
     if kind == "User":
         return user == subject["name"]
     if kind == "Group":
-        return subject["name"] in _groups(user)
+        return subject["name"] in groups(user)
     raise ValueError(f"binding subject of unknown kind {kind!r}: {subject}")
 
 

@@ -1,11 +1,14 @@
-"""The Helm chart against a real API server: install, every object accepted, uninstall leaves nothing.
+"""The Helm chart against a real API server: install, every object accepted, RBAC as the shared table
+says (tests/charts/rbac_expectations.py), uninstall leaves nothing.
 
 Needs KUBECONFIG pointing at a cluster (v1.30 or newer) where the current user is an administrator; no
-nodes are needed: pods never have to start. Without KUBECONFIG the test is skipped.
+nodes are needed: nothing waits for a pod to run, and every check is one the API server decides itself
+(admission, RBAC, the admission policy). Without KUBECONFIG the test is skipped.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -19,6 +22,8 @@ from typing import Any
 
 import pytest
 import yaml
+from charts.rbac import Request, groups, service_account
+from charts.rbac_expectations import KEYS_SECRET, expectations
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "modelfleet"
@@ -118,7 +123,7 @@ def release() -> Iterator[tuple[str, str]]:
             '{"metadata":{"finalizers":null}}',
             check=False,
         )
-    for leftover in (namespace, f"{namespace}-other"):
+    for leftover in (namespace, f"{namespace}-other", f"{namespace}-tenant"):
         kubectl("delete", "namespace", leftover, "--ignore-not-found", "--wait=false", check=False)
     installed_here = existing_crds(OUR_CRDS + KOPF_CRDS) - crds_before
     if installed_here:
@@ -135,6 +140,54 @@ def wait_for_denial(
         if (result.returncode != 0 and expected in result.stderr) or time.monotonic() > deadline:
             return result
         time.sleep(1)
+
+
+def access_reviews(requests: list[Request]) -> list[bool]:
+    """The API server's own authorizer on each request, in one kubectl call (SubjectAccessReviews, the
+    question `kubectl auth can-i --as` asks)."""
+    reviews = [
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": r.user,
+                "groups": sorted(groups(r.user)),
+                "resourceAttributes": {
+                    "verb": r.verb,
+                    "group": r.group,
+                    "resource": r.plural,
+                    "subresource": r.subresource,
+                    "namespace": r.namespace or "",
+                    "name": r.name or "",
+                },
+            },
+        }
+        for r in requests
+    ]
+    stdin = json.dumps({"apiVersion": "v1", "kind": "List", "items": reviews})
+    text = kubectl("create", "-f", "-", "-o", "json", stdin=stdin).stdout
+    decoder, answers, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():  # one JSON document per review, or one List of them
+        at += len(text[at:]) - len(text[at:].lstrip())
+        found, at = decoder.raw_decode(text, at)
+        answers += found["items"] if found.get("kind") == "List" else [found]
+    assert len(answers) == len(requests), text
+    return [bool(answer["status"].get("allowed")) for answer in answers]
+
+
+def wait_until_authorized(request: Request, timeout_s: float = 30) -> None:
+    """The authorizer learns new bindings from its informers a moment after they are created."""
+    deadline = time.monotonic() + timeout_s
+    while not access_reviews([request])[0]:
+        if time.monotonic() > deadline:
+            pytest.fail(f"never allowed: {request.describe()}")
+        time.sleep(1)
+
+
+def can_i(user: str, *args: str) -> str:
+    """kubectl auth can-i's answer (yes/no), or what it said instead."""
+    result = kubectl("auth", "can-i", *args, "--as", user, check=False)
+    return (result.stdout.split() or [result.stderr.strip() or "(nothing)"])[0]
 
 
 def test_install_is_accepted_and_uninstall_leaves_nothing(release: tuple[str, str]) -> None:
@@ -162,23 +215,45 @@ def test_install_is_accepted_and_uninstall_leaves_nothing(release: tuple[str, st
         kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
     kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(ROOT / "examples" / "model.yaml"))
 
-    # RBAC as granted: what each component may and may not do.
-    operator_sa = f"system:serviceaccount:{namespace}:{name}-modelfleet-operator"
-    control_plane_sa = f"system:serviceaccount:{namespace}:{name}-modelfleet-controlplane"
-    allowed = {
-        (operator_sa, "patch", "inferencemodels.modelfleet.dev"): "yes",
-        (operator_sa, "create", "jobs.batch"): "yes",
-        (operator_sa, "get", "secrets"): "no",
-        (operator_sa, "delete", "deployments.apps"): "no",
-        (control_plane_sa, "create", "namespaces"): "yes",
-        (control_plane_sa, "create", "inferencemodels.modelfleet.dev"): "yes",
-        (control_plane_sa, "get", "pods"): "no",
-        (control_plane_sa, "get", "secrets"): "no",
+    # RBAC as granted: the table shared with the offline evaluator, answered by the API server.
+    operator_sa = service_account(namespace, f"{name}-modelfleet-operator")
+    control_plane_sa = service_account(namespace, f"{name}-modelfleet-controlplane")
+    (peering,) = [o["metadata"]["name"] for o in expected if o["kind"] == "ClusterKopfPeering"]
+    tenant = f"{namespace}-tenant"
+    table = expectations(operator_sa, control_plane_sa, peering, tenant)
+    wait_until_authorized(table[0][0])
+    answers = access_reviews([request for request, _ in table])
+    wrong = [
+        f"{'may' if allowed else 'may not'}: {request.describe()}"
+        for (request, allowed), answer in zip(table, answers, strict=True)
+        if answer != allowed
+    ]
+    assert wrong == []
+    # The same questions as an administrator types them.
+    assert can_i(control_plane_sa, "get", "secrets", "--all-namespaces") == "no"
+    assert can_i(control_plane_sa, "get", f"secrets/{KEYS_SECRET}", "-n", tenant) == "yes"
+    assert can_i(operator_sa, "create", "pods", "--subresource=exec", "-n", tenant) == "no"
+    assert can_i(operator_sa, "patch", f"clusterkopfpeerings.kopf.dev/{peering}") == "yes"
+
+    # The control plane creates its Secret by server-side apply, whose create check names the object:
+    # allowed for its own name; a plain create (no name at authorization time) and other names are not.
+    managed = {"app.kubernetes.io/managed-by": "modelfleet-controlplane"}
+    kubectl("create", "-f", "-", stdin=json.dumps(_namespace(tenant, managed)))
+    keys = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": KEYS_SECRET, "namespace": tenant, "labels": managed},
+        "data": {"keys": base64.b64encode(b"[]").decode()},
     }
-    for (user, verb, resource), answer in allowed.items():
-        result = kubectl("auth", "can-i", verb, resource, "--all-namespaces", "--as", user, check=False)
-        said = (result.stdout.split() or ["(nothing)"])[0]
-        assert said == answer, f"{user} {verb} {resource}: {result.stdout.strip()} {result.stderr.strip()}"
+    as_control_plane = ["--dry-run=server", "--as", control_plane_sa, "-f", "-"]
+    apply = ["apply", "--server-side", "--field-manager=modelfleet-controlplane", *as_control_plane]
+    kubectl(*apply, stdin=json.dumps(keys))
+    for command, body in [
+        (["create", *as_control_plane], keys),
+        (apply, {**keys, "metadata": {**keys["metadata"], "name": "someone-elses-secret"}}),
+    ]:
+        refused = kubectl(*command, check=False, stdin=json.dumps(body))
+        assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
 
     # The admission policy stops the control plane from deleting namespaces it did not create (not
     # `default`: the API server protects that one itself, before our policy is asked).
@@ -188,14 +263,7 @@ def test_install_is_accepted_and_uninstall_leaves_nothing(release: tuple[str, st
         "modelfleet control plane",
     )
     assert denied.returncode != 0 and "modelfleet control plane" in denied.stderr, denied.stderr
-    own = {
-        "apiVersion": "v1",
-        "kind": "Namespace",
-        "metadata": {
-            "name": f"{namespace}-tenant",
-            "labels": {"app.kubernetes.io/managed-by": "modelfleet-controlplane"},
-        },
-    }
+    own = _namespace(f"{namespace}-new", managed)
     kubectl("create", "--dry-run=server", "--as", control_plane_sa, "-f", "-", stdin=json.dumps(own))
 
     # Uninstall removes every object of the release; the CRDs stay on purpose (deleting them would
@@ -205,3 +273,7 @@ def test_install_is_accepted_and_uninstall_leaves_nothing(release: tuple[str, st
     assert left == [], f"left behind: {[(o['kind'], o['metadata']['name']) for o in left]}"
     assert helm("list", "--namespace", namespace, "--all", "-q").stdout.strip() == ""
     assert existing_crds(OUR_CRDS) == set(OUR_CRDS)
+
+
+def _namespace(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
