@@ -12,6 +12,7 @@ PARTS = {
     "modelfleet.controlplane": "controlplane",
     "modelfleet.dataplane": "dataplane",
     "modelfleet.converters": "converters",
+    "modelfleet.local": "local",
 }
 
 

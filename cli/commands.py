@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "serve": "modelfleet.dataplane.server.cli",
     "convert": "modelfleet.converters.cli",
     "controlplane": "modelfleet.controlplane.main",
+    "local": "modelfleet.local.cli",
 }
 
 
