@@ -1,7 +1,8 @@
 """`modelfleet operator`: run the kopf operator for InferenceModel and ModelVersion.
 
 Replicas meet in a kopf peering object (MODELFLEET_OPERATOR_PEERING) so that only one acts at a time;
-`--standalone` skips peering for development and tests.
+`--standalone` skips peering for development and tests. Without the peering CRD or object kopf would
+wait in silence: `preflight.py` says so at start-up and in /healthz.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     import kopf
-    from modelfleet.operator import handlers  # noqa: F401  (registers the handlers with kopf)
+    from modelfleet.operator import handlers, preflight  # noqa: F401  (register their handlers with kopf)
     from modelfleet.operator.observability import REGISTRY, setup_tracing
     from prometheus_client import start_http_server
 
@@ -60,6 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         peering_name=None if standalone else peering,
         priority=priority,
         liveness_endpoint=f"http://0.0.0.0:{health}/healthz" if health else None,
+        memo=kopf.Memo(namespaces=namespaces),  # the peering pre-flight names the objects it looks for
     )
     return 0
 
