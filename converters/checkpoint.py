@@ -12,12 +12,18 @@ from pathlib import Path
 import torch
 from modelfleet.converters import progress
 from modelfleet.converters.errors import BadInputError
+from modelfleet.dataplane.models.config import (
+    SUPPORTED_ARCHITECTURES,
+    ConfigError,
+    ModelConfig,
+    UnsupportedModelError,
+)
 from modelfleet.dataplane.quantization import quantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-# The Llama family the engine's models and our ONNX export implement.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The architectures are the engine's (one list: what we convert is what the data plane serves), and so are
+# their facts (biases, norms, windows): `Checkpoint.model_config` reads them the way the engine does.
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Files copied unchanged into every artifact that has them (the engine needs the tokenizer beside weights).
@@ -49,6 +55,11 @@ class Checkpoint:
     @property
     def architecture(self) -> str:
         return self.config["architectures"][0]
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The engine's reading of config.json (read_config has checked that it reads)."""
+        return ModelConfig.from_hf_dict(self.config)
 
     def tensors(self, shard: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(self.path / shard, "pt") as f:
@@ -100,6 +111,10 @@ def read_config(path: Path) -> dict:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int):
             raise BadInputError(f"source config.json lacks integer {key!r}; re-export the model")
+    try:  # what the engine would refuse to load is refused before any work
+        ModelConfig.from_hf_dict(config)
+    except (UnsupportedModelError, ConfigError) as exc:
+        raise BadInputError(f"source {str(exc).splitlines()[0]}") from None
     return config
 
 

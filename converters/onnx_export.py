@@ -5,7 +5,9 @@ Graph interface (what dataplane/onnx_runner.py feeds); kv = kv_heads, d = head_d
            position_ids int64 [batch, seq], past_key_values.{i}.key / .value [batch, kv, past, d]
   outputs  logits float32 [batch, seq, vocab], present.{i}.key / .value [batch, kv, past + seq, d]
 The module below is a plain re-statement of the Hugging Face Llama forward written for tracing (no cache
-objects, no data-dependent control flow); validation checks its logits against transformers.
+objects, no data-dependent control flow); validation checks its logits against transformers. Which
+projections carry a bias, and whether queries and keys are normalized per head (Qwen3), are the engine's
+facts (`ModelConfig`), never decided here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from modelfleet.converters import progress
 from modelfleet.converters.checkpoint import Checkpoint
 from modelfleet.converters.errors import BadInputError, ConversionError
+from modelfleet.dataplane.models.config import ModelConfig
 from torch import nn
 
 OPSET = 18
@@ -49,25 +52,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, mc: ModelConfig) -> None:
         super().__init__()
-        hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        head_dim, inter = cfg["head_dim"], cfg["intermediate_size"]
-        qkv_bias = bool(cfg.get("attention_bias", cfg["model_type"] == "qwen2"))
-        o_bias = bool(cfg.get("attention_bias", False))
-        mlp_bias = bool(cfg.get("mlp_bias", False))
+        hidden, heads, kv, head_dim, inter = (
+            mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size
+        )  # fmt: skip
         self.heads, self.kv_heads, self.head_dim = heads, kv, head_dim
-        self.input_layernorm = _RMSNorm(hidden, cfg["rms_norm_eps"])
-        self.post_attention_layernorm = _RMSNorm(hidden, cfg["rms_norm_eps"])
+        self.input_layernorm = _RMSNorm(hidden, mc.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(hidden, mc.rms_norm_eps)
         self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias)
-        self.self_attn.k_proj = nn.Linear(hidden, kv * head_dim, bias=qkv_bias)
-        self.self_attn.v_proj = nn.Linear(hidden, kv * head_dim, bias=qkv_bias)
-        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias)
+        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=mc.qkv_bias)
+        self.self_attn.k_proj = nn.Linear(hidden, kv * head_dim, bias=mc.qkv_bias)
+        self.self_attn.v_proj = nn.Linear(hidden, kv * head_dim, bias=mc.qkv_bias)
+        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=mc.o_proj_bias)
+        self.qk_norm = mc.qk_norm
+        if mc.qk_norm:  # per head, before the rotary embedding
+            self.self_attn.q_norm = _RMSNorm(head_dim, mc.rms_norm_eps)
+            self.self_attn.k_norm = _RMSNorm(head_dim, mc.rms_norm_eps)
         self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(hidden, inter, bias=mlp_bias)
-        self.mlp.up_proj = nn.Linear(hidden, inter, bias=mlp_bias)
-        self.mlp.down_proj = nn.Linear(inter, hidden, bias=mlp_bias)
+        self.mlp.gate_proj = nn.Linear(hidden, inter, bias=mc.mlp_bias)
+        self.mlp.up_proj = nn.Linear(hidden, inter, bias=mc.mlp_bias)
+        self.mlp.down_proj = nn.Linear(inter, hidden, bias=mc.mlp_bias)
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
         b, s, _ = x.shape
@@ -76,6 +81,8 @@ class _Layer(nn.Module):
         q = attn.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = attn.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k = torch.cat([past_k, k], dim=2)  # [b, kv, past + s, d]
@@ -93,14 +100,14 @@ class _Layer(nn.Module):
 
 
 class ExportableLlama(nn.Module):
-    def __init__(self, cfg: dict, inv_freq: torch.Tensor, attention_scaling: float) -> None:
+    def __init__(self, mc: ModelConfig, inv_freq: torch.Tensor, attention_scaling: float) -> None:
         super().__init__()
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.model.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg["num_hidden_layers"]))
-        self.model.norm = _RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
-        if cfg.get("tie_word_embeddings"):
+        self.model.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.model.layers = nn.ModuleList(_Layer(mc) for _ in range(mc.num_layers))
+        self.model.norm = _RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        if mc.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = attention_scaling
@@ -128,14 +135,6 @@ class ExportableLlama(nn.Module):
         return (logits, *presents)
 
 
-def normalized_config(config: dict) -> dict:
-    cfg = dict(config)
-    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    cfg.setdefault("rms_norm_eps", 1e-6)
-    return cfg
-
-
 def rotary(config: dict) -> tuple[torch.Tensor, float]:
     """inv_freq and attention scaling through transformers' own rope initialisers (all rope types)."""
     from transformers import AutoConfig
@@ -155,23 +154,24 @@ def rotary(config: dict) -> tuple[torch.Tensor, float]:
 
 
 def build_module(ckpt: Checkpoint, dtype: torch.dtype) -> ExportableLlama:
-    cfg = normalized_config(ckpt.config)
+    mc = ckpt.model_config
     inv_freq, scaling = rotary(ckpt.config)
     with torch.device("meta"):
-        module = ExportableLlama(cfg, inv_freq.to("meta"), scaling)
+        module = ExportableLlama(mc, inv_freq.to("meta"), scaling)
     state = {}
     for shard in ckpt.shards:
         for name, tensor in ckpt.tensors(shard):
             state[name] = tensor.to(dtype)
-    if cfg.get("tie_word_embeddings"):
+    if mc.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (cfg.get("tie_word_embeddings") and m == "lm_head.weight")]
+    missing = [m for m in missing if not (mc.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ConversionError(
-            f"checkpoint does not fit the Llama layout: missing {missing[:3]}, extra {unexpected[:3]}"
+            f"checkpoint does not fit the {mc.architecture} layout: missing {missing[:3]}, "
+            f"extra {unexpected[:3]}"
         )
-    if cfg.get("tie_word_embeddings"):
+    if mc.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     module.inv_freq = inv_freq.float()
     return module.eval()
@@ -179,18 +179,15 @@ def build_module(ckpt: Checkpoint, dtype: torch.dtype) -> ExportableLlama:
 
 def export_onnx(ckpt: Checkpoint, dest: Path, dtype: torch.dtype) -> None:
     """Write dest/model.onnx (+ model.onnx.data) with dynamic batch, sequence and past lengths."""
-    cfg = normalized_config(ckpt.config)
-    window = cfg.get("sliding_window")
-    windowed = (
-        window and window < cfg.get("max_position_embeddings", 0) and cfg.get("use_sliding_window", True)
-    )
-    if windowed:
+    mc = ckpt.model_config
+    window = next((w for w in mc.sliding_windows if w is not None), None)
+    if window is not None:  # the engine's reading of the window settings, per architecture
         raise BadInputError(
             f"ONNX export has no sliding-window attention (config.json sliding_window={window}); "
             "use --format torch for this model"
         )
     module = build_module(ckpt, dtype)
-    layers, kv, head_dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    layers, kv, head_dim = mc.num_layers, mc.num_kv_heads, mc.head_dim
     batch, seq, past = 2, 3, 4  # sizes above 1 so the exporter keeps them symbolic
     args = (
         torch.ones(batch, seq, dtype=torch.long),
