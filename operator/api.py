@@ -115,7 +115,13 @@ class Hardware(_Model):
 class Replicas(_Model):
     """Data-plane replicas; an autoscaler moves between min and max when they differ."""
 
-    model_config = ConfigDict(json_schema_extra=_rules(("self.min <= self.max", "min must be <= max")))
+    # Defaulting fills in min and max before validation, so the guards loosen nothing for a stored object;
+    # they keep the rule total on a value that was not defaulted (the API server checks defaults as written).
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            ("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max")
+        )
+    )
 
     min: int = Field(default=1, ge=0, le=1000)
     max: int = Field(default=1, ge=1, le=1000)

@@ -4,8 +4,9 @@ pydantic writes JSON Schema 2020-12; a CRD wants a *structural* OpenAPI v3.0 sch
 inlines every `$ref`, turns `Optional[X]` into plain X (the API server prunes nulls of non-nullable
 fields, which is what "unset" means to us), converts numeric `exclusiveMinimum` to the v3.0 boolean form,
 maps free-form objects to `x-kubernetes-preserve-unknown-fields`, and gives spec sub-objects whose fields
-are all optional a `{}` default so the API server fills in their nested defaults. Anything else it does
-not know raises, so a new model feature cannot slip an invalid keyword into a CRD.
+are all optional a default with their nested defaults written out: the API server validates a default as
+written, CEL rules included, before any nested default applies (`{}` fails `self.min <= self.max`).
+Anything else it does not know raises, so a new model feature cannot slip an invalid keyword into a CRD.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from modelfleet.operator import api
+from modelfleet.operator import api, schema_checks
 from pydantic import BaseModel
 
 # The OpenAPI v3.0 keywords a CRD schema accepts (apiextensions JSONSchemaProps) that we emit.
@@ -121,10 +122,10 @@ def _to_openapi(node: dict[str, Any], where: str, *, in_spec: bool) -> dict[str,
 
 
 def _with_object_default(node: dict[str, Any], in_spec: bool) -> dict[str, Any]:
-    """A spec field holding an object whose fields are all optional defaults to `{}`, so the API server
-    fills in the nested defaults even when the user leaves the whole object out."""
+    """A spec field holding an object whose fields are all optional defaults to that object with its
+    nested defaults filled in, so a user may leave the whole object out."""
     if in_spec and node.get("type") == "object" and "properties" in node and not node.get("required"):
-        node.setdefault("default", {})
+        node.setdefault("default", schema_checks.apply_defaults(node, {}))
     return _ordered(node)
 
 
