@@ -1,20 +1,25 @@
 """The operator against a real API server: kubectl apply -f examples/model.yaml -> Jobs, serving objects,
 status, traffic changes without pod restarts, and clean-up.
 
-Needs KUBECONFIG pointing at a cluster (v1.30 or newer) with kube-controller-manager (its Job controller
-and garbage collector do their real work here) where the current user is an administrator. No node is
-needed: where no node runs pods, the test completes each conversion itself by patching the status of
-the Job's pod (phase Succeeded, the container terminated with the artifact summary as its message), as
-a kubelet would; the real Job controller and the operator take it from there.
+Needs KUBECONFIG pointing at a cluster (v1.30 or newer) with kube-controller-manager (its Job,
+ReplicaSet, Deployment, ResourceQuota and garbage-collector controllers do their real work here) where
+the current user is an administrator. No node is needed. Without nodes the controllers still create the
+pods, which stay Pending; the test then does what a kubelet would, through the pod's status subresource
+(phase Succeeded, the container terminated with the artifact summary as its message). It never writes a
+Job's status: that belongs to the Job controller, which reads the pod and marks the Job Complete, as it
+would on a real node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,20 +53,21 @@ def crds(cluster_kubectl, wait) -> None:
         cluster_kubectl.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
 
 
-@pytest.fixture()
-def operator(namespace, crds) -> Iterator[Path]:
-    """`modelfleet operator` for the test namespace, in a subprocess; yields its log file."""
+@contextlib.contextmanager
+def running_operator(namespace: str, *options: str, **env: str) -> Iterator[Path]:
+    """`modelfleet operator -n NAMESPACE OPTIONS` in a subprocess; yields its log file."""
     log = Path(tempfile.mkstemp(prefix="modelfleet-operator-", suffix=".log")[1])
-    env = {
+    environment = {
         **os.environ,
         "MODELFLEET_OPERATOR_METRICS_PORT": "0",
         "MODELFLEET_OPERATOR_HEALTH_PORT": "0",
         "MODELFLEET_RESYNC_SECONDS": "5",
         "MODELFLEET_DATAPLANE_IMAGE": "registry.example/modelfleet:e2e",
+        **env,
     }
-    command = [str(Path(sys.executable).parent / "modelfleet"), "operator", "--standalone", "-n", namespace]
+    command = [str(Path(sys.executable).parent / "modelfleet"), "operator", *options, "-n", namespace]
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment)
     try:
         yield log
     finally:
@@ -71,6 +77,13 @@ def operator(namespace, crds) -> Iterator[Path]:
         except subprocess.TimeoutExpired:
             process.kill()
         log.unlink(missing_ok=True)
+
+
+@pytest.fixture()
+def operator(namespace, crds) -> Iterator[Path]:
+    """`modelfleet operator --standalone` for the test namespace; yields its log file."""
+    with running_operator(namespace, "--standalone") as log:
+        yield log
 
 
 def test_bad_examples_are_refused_by_the_api_server(namespace, kubectl, crds):
@@ -149,10 +162,14 @@ def complete_conversion(kubectl, wait, job: str, logs) -> None:
 
 
 def condition(obj: dict | None, type_: str) -> tuple[str, str] | None:
-    for cond in ((obj or {}).get("status") or {}).get("conditions", []):
-        if cond["type"] == type_:
-            return cond["status"], cond["reason"]
-    return None
+    found = full_condition(obj, type_)
+    return (found["status"], found["reason"]) if found else None
+
+
+def full_condition(obj: dict | None, type_: str) -> dict | None:
+    return next(
+        (c for c in ((obj or {}).get("status") or {}).get("conditions", []) if c["type"] == type_), None
+    )
 
 
 def manifest_of(kubectl) -> dict | None:
@@ -216,8 +233,12 @@ def test_model_yaml_to_serving_objects_traffic_and_clean_up(namespace, kubectl, 
         on_fail=logs,
     )
     assert wait("manifest v1=100", lambda: weights(kubectl) == {"v1": 100}, on_fail=logs)
-    im = kubectl.get("im", "chat")
-    assert im["status"]["traffic"] == "v1=100,v2=0"
+    # The ConfigMap is applied a moment before the status is written: wait for the status too.
+    im = wait(
+        "status traffic v1=100,v2=0",
+        lambda: (m := kubectl.get("im", "chat"))["status"]["traffic"] == "v1=100,v2=0" and m,
+        on_fail=logs,
+    )
     assert condition(im, "Degraded") == ("True", "VersionNotReady")
 
     # v2 converted too: the requested 90/10 split is served.
@@ -304,3 +325,136 @@ def test_model_yaml_to_serving_objects_traffic_and_clean_up(namespace, kubectl, 
         )
     wait("no InferenceModel left", lambda: kubectl.get("im") == [], on_fail=logs)
     wait("no ModelVersion left (the finalizer lets go)", lambda: kubectl.get("mv") == [], on_fail=logs)
+
+
+def test_a_conversion_refused_by_a_resource_quota_says_so_and_recovers(namespace, kubectl, operator, wait):
+    """A quota of 0 pods: the Job controller's pod creation fails (FailedCreate Events on the Job, nothing
+    in the Job's status), and the ModelVersion's Ready condition carries the API server's refusal."""
+    logs = lambda: "operator log (tail):\n" + operator.read_text()[-4000:]  # noqa: E731
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"}}
+    kubectl.run("apply", "-f", "-", stdin=json.dumps({**quota, "spec": {"hard": {"pods": "0"}}}))
+    # The quota controller has counted the namespace: from now on pods are refused for exceeding it.
+    wait(
+        "quota counted",
+        lambda: ((kubectl.get("resourcequota", "no-pods") or {}).get("status") or {}).get("used"),
+    )
+    kubectl.run("apply", "-f", str(EXAMPLE))
+
+    job = JOBS["v1"][0]
+    refusals = wait(
+        f"a FailedCreate Event of Job {job}",
+        lambda: kubectl.get(
+            "events", None, "--field-selector", f"involvedObject.name={job},reason=FailedCreate"
+        ),
+        on_fail=logs,
+    )
+    assert "exceeded quota: no-pods" in refusals[0]["message"]
+    assert not (kubectl.get("job", job).get("status") or {}).get("conditions")  # the Job says nothing
+
+    def refused() -> dict | None:
+        found = full_condition(kubectl.get("mv", "chat-v1"), "Ready")
+        return found if found and found["reason"] == "QuotaExceeded" else None
+
+    ready = wait("chat-v1 Ready=False QuotaExceeded", refused, on_fail=logs)
+    assert ready["status"] == "False"
+    assert ready["message"].startswith("conversion Job for nvidia-h100-torch-bf16 cannot create its pod: ")
+    assert "exceeded quota: no-pods" in ready["message"]
+    assert kubectl.get("mv", "chat-v1")["status"]["phase"] == "Converting"
+    warned = wait(
+        "a QuotaExceeded Event of chat-v1",
+        lambda: kubectl.get(
+            "events", None, "--field-selector", "involvedObject.name=chat-v1,reason=QuotaExceeded"
+        ),
+        on_fail=logs,
+    )
+    assert warned[0]["type"] == "Warning"
+    # The data-plane pods are refused too (the Deployment's ReplicaFailure condition).
+    wait(
+        "chat Degraded=True QuotaExceeded",
+        lambda: condition(kubectl.get("im", "chat"), "Degraded") == ("True", "QuotaExceeded"),
+        on_fail=logs,
+    )
+
+    # The quota goes: the Job controller retries (backing off up to a minute) and the pod is created.
+    kubectl.run("delete", "resourcequota", "no-pods")
+    wait(f"a pod of Job {job}", lambda: kubectl.get("pods", None, "-l", f"job-name={job}"), timeout_s=150)
+    wait(
+        "chat-v1 back to Converting",
+        lambda: condition(kubectl.get("mv", "chat-v1"), "Ready") == ("False", "Converting"),
+        on_fail=logs,
+    )
+    delete_example(kubectl, wait, logs)
+
+
+def delete_example(kubectl, wait, logs) -> None:
+    """Delete examples/model.yaml while the operator still runs, so that its finalizer lets the versions
+    go (else they, and the test's namespace, would stay Terminating)."""
+    kubectl.run("delete", "-f", str(EXAMPLE), "--ignore-not-found", "--wait=false", check=False)
+    wait("no ModelVersion left", lambda: kubectl.get("mv") == [], on_fail=logs)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthz(port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            return json.loads(response.read())
+    except OSError:
+        return None
+
+
+def test_an_operator_without_its_peering_says_so_then_resumes(
+    namespace, kubectl, cluster_kubectl, crds, wait
+):
+    """Without --standalone kopf needs a KopfPeering in each served namespace. While it is missing the
+    operator logs a WARNING naming it and /healthz says so; once it exists, kopf resumes on its own."""
+    peering, port = f"e2e-{namespace}", free_port()
+    kubectl.run("apply", "-f", str(EXAMPLE))
+    kopf_crds = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
+    found = cluster_kubectl.run("get", "crd", *kopf_crds, "--ignore-not-found", "-o", "name").stdout.split()
+    installed_here = sorted(set(kopf_crds) - {name.split("/", 1)[1] for name in found})
+    env = {"MODELFLEET_OPERATOR_PEERING": peering, "MODELFLEET_OPERATOR_HEALTH_PORT": str(port)}
+    with running_operator(namespace, **env) as log:
+        logs = lambda: "operator log (tail):\n" + log.read_text()[-4000:]  # noqa: E731
+        name = f"KopfPeering {namespace}/{peering}"
+        warning = wait(
+            "the peering WARNING",
+            lambda: [line for line in log.read_text().splitlines() if "WARNING" in line and name in line],
+            timeout_s=60,
+            on_fail=logs,
+        )
+        assert "--standalone" in warning[0] and "crds/kopf-peering.yaml" in warning[0]
+        health = wait("/healthz", lambda: healthz(port), on_fail=logs)
+        assert name in health["peering"]
+        assert kubectl.get("jobs") == []  # kopf is paused: nothing was reconciled
+
+        try:
+            if installed_here:
+                cluster_kubectl.run(
+                    "apply", "-f", str(ROOT / "charts" / "modelfleet" / "crds" / "kopf-peering.yaml")
+                )
+                for crd in kopf_crds:
+                    cluster_kubectl.run("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+            obj = {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": peering}}
+            kubectl.run("apply", "-f", "-", stdin=json.dumps(obj))
+            wait(
+                f"Job {JOBS['v1'][0]} (kopf resumed)", lambda: kubectl.get("job", JOBS["v1"][0]), on_fail=logs
+            )
+            wait(
+                "/healthz ok",
+                lambda: (healthz(port) or {}).get("peering") == f"ok: {name}",
+                timeout_s=60,
+                on_fail=logs,
+            )
+        finally:
+            delete_example(kubectl, wait, logs)
+    if (
+        installed_here
+    ):  # leave the cluster as found (the namespace and its peering object go with the fixture)
+        cluster_kubectl.run(
+            "delete", "crd", *installed_here, "--ignore-not-found", "--wait=false", check=False
+        )
