@@ -34,6 +34,8 @@ Not mirrored, and why:
 - CEL cost estimates (per rule and per CRD): they come from cel-go's cost model over the declared types;
   `project_problems` approximates them by requiring maxLength/maxItems/maxProperties everywhere.
 - RE2 semantics of `pattern` (Python's re runs here), and `format` checks other than date and date-time.
+- Defaults under the metadata of an x-kubernetes-embedded-resource (the API server coerces them into
+  ObjectMeta and validates that); we have no embedded resources, and top-level metadata takes none.
 - What depends on the cluster or an old object: immutable group/plural/scope/kind once Established,
   status.storedVersions, ratcheting of unchanged schemas, name conflicts with other CRDs (NamesAccepted),
   the api-approved annotation of *.k8s.io groups, conversion webhooks.
