@@ -104,13 +104,32 @@ def model_allowed(tenant: Tenant, model_name: str) -> bool:
 
 
 def create_api_key(
-    session: Session, *, tenant: Tenant, key_in: schemas.ApiKeyCreate, actor: str, server_pepper: str
+    session: Session,
+    *,
+    tenant: Tenant,
+    key_in: schemas.ApiKeyCreate,
+    actor: str,
+    server_pepper: str,
+    minted_by: str | None = None,
 ) -> tuple[ApiKey, str]:
-    """The new key row and its token; the token exists only in the return value."""
+    """The new key row and its token; the token exists only in the return value.
+
+    `minted_by`: the prefix of the tenant key making it (None for the admin). A key made by a tenant key
+    expires no later than that key, so revoking a leaked key, or letting it expire, ends what it made."""
+    expires_at = utcnow() + timedelta(days=key_in.expires_in_days) if key_in.expires_in_days else None
+    if minted_by is not None:
+        minter = session.scalar(select(ApiKey).where(ApiKey.prefix == minted_by))
+        limit = minter.expires_at if minter is not None else None
+        if limit is not None:
+            expires_at = limit if expires_at is None else min(expires_at, limit)
+        elif expires_at is None:
+            raise Forbidden(
+                "expires_in_days: a tenant key cannot make a key that never expires; ask the admin",
+                param="expires_in_days",
+            )
     new = security.new_key(server_pepper)
     while session.scalar(select(ApiKey.id).where(ApiKey.prefix == new.prefix)) is not None:
         new = security.new_key(server_pepper)  # a prefix collision: 36**8 makes this all but never loop
-    expires_at = utcnow() + timedelta(days=key_in.expires_in_days) if key_in.expires_in_days else None
     key = ApiKey(
         tenant_id=tenant.id,
         name=key_in.name,
@@ -362,6 +381,9 @@ def delete_version(
             f"version {version.name!r} serves {weight}% of the traffic; move its traffic away first",
             param="version",
         )
+    # The model's optimistic-lock version moves too: of two deletes (or a delete and a traffic change
+    # onto this version) racing on one model, one commits and the other gets a 409.
+    model.updated_at = utcnow()
     record_audit(
         session,
         actor=actor,

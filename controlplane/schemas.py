@@ -39,8 +39,32 @@ Accelerator = Annotated[str, AfterValidator(_known_accelerator)]
 StickyBy = Annotated[str, AfterValidator(_sticky_by)]
 
 
+# The Integer columns' range on PostgreSQL: larger numbers are refused here rather than by the database.
+INT32_MAX = 2**31 - 1
+
+
+def _nul_path(value: Any, path: str) -> str | None:
+    """Where a NUL character sits in a request body (PostgreSQL text cannot hold one), or None."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _nul_path(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        found = _nul_path(data, "")
+        if found:
+            raise ValueError(f"{found}: contains a NUL character; remove it")
+        return data
 
 
 class Public(BaseModel):
@@ -64,7 +88,9 @@ class TenantCreate(Strict):
     name: Label
     namespace: Label | None = Field(default=None, description="Kubernetes namespace; defaults to the name")
     gpu_quota: int = Field(default=0, ge=0, le=100_000)
-    token_rate_limit: int = Field(default=0, ge=0, description="tokens per minute; 0 means unlimited")
+    token_rate_limit: int = Field(
+        default=0, ge=0, le=INT32_MAX, description="tokens per minute; 0 means unlimited"
+    )
     allowed_models: list[ModelPattern] = Field(
         default_factory=list,
         max_length=100,
@@ -74,7 +100,7 @@ class TenantCreate(Strict):
 
 class TenantUpdate(Strict):
     gpu_quota: int | None = Field(default=None, ge=0, le=100_000)
-    token_rate_limit: int | None = Field(default=None, ge=0)
+    token_rate_limit: int | None = Field(default=None, ge=0, le=INT32_MAX)
     allowed_models: list[ModelPattern] | None = Field(default=None, max_length=100)
 
 
@@ -93,7 +119,13 @@ class TenantPublic(Public):
 
 class ApiKeyCreate(Strict):
     name: Annotated[str, StringConstraints(min_length=1, max_length=100)] = "default"
-    expires_in_days: int | None = Field(default=90, ge=1, le=3650, description="null: never expires")
+    expires_in_days: int | None = Field(
+        default=90,
+        ge=1,
+        le=3650,
+        description="null: never expires (the admin's keys only: a key made by a tenant key expires no later "
+        "than that key)",
+    )
 
 
 class ApiKeyPublic(Public):
@@ -161,7 +193,9 @@ class ModelUpdate(Strict):
     replicas: Replicas | None = None
     sticky_by: StickyBy | None = None
     loading: Literal["lazy", "eager"] | None = None
-    expected_version: int | None = Field(default=None, description="409 unless the model is at this version")
+    expected_version: int | None = Field(
+        default=None, ge=0, le=INT32_MAX, description="409 unless the model is at this version"
+    )
 
 
 class ModelPublic(Public):
@@ -236,18 +270,20 @@ class VersionPublic(BaseModel):
 class TrafficUpdate(Strict):
     traffic: Annotated[TrafficSplit, Field(min_length=1, max_length=16)]
     reason: Reason = ""
-    expected_version: int | None = Field(default=None, description="409 unless the model is at this version")
+    expected_version: int | None = Field(
+        default=None, ge=0, le=INT32_MAX, description="409 unless the model is at this version"
+    )
 
 
 class PromoteRequest(Strict):
     version: VersionName
     reason: Reason = ""
-    expected_version: int | None = None
+    expected_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
 
 class RollbackRequest(Strict):
     reason: Reason = ""
-    expected_version: int | None = None
+    expected_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
 
 class RolloutPublic(Public):

@@ -16,9 +16,9 @@ from modelfleet.controlplane import crud
 from modelfleet.controlplane.cluster import Cluster
 from modelfleet.controlplane.core import security
 from modelfleet.controlplane.core.config import Settings
-from modelfleet.controlplane.errors import Forbidden, NotAuthenticated, NotFound
+from modelfleet.controlplane.errors import Forbidden, Invalid, NotAuthenticated, NotFound
 from modelfleet.controlplane.models import Model, ModelVersion, Tenant, utcnow
-from modelfleet.controlplane.schemas import Principal
+from modelfleet.controlplane.schemas import INT32_MAX, Principal
 from sqlalchemy.orm import Session
 
 bearer = HTTPBearer(auto_error=False, description="An admin key or a tenant's API key (mf_...)")
@@ -137,9 +137,19 @@ class PageParams:
     offset: int
 
 
+def refuse_nul_characters(request: Request) -> None:
+    """PostgreSQL text cannot hold a NUL character: refuse one in the path or query before any lookup
+    (bodies are checked by their schemas)."""
+    if "\x00" in request.url.path:
+        raise Invalid("path: contains a NUL character; remove it", param="path")
+    for name, value in request.query_params.multi_items():
+        if "\x00" in name or "\x00" in value:
+            raise Invalid(f"{name}: contains a NUL character; remove it", param=name)
+
+
 def get_page(
     limit: Annotated[int, Query(ge=1, le=500, description="items per page")] = 50,
-    offset: Annotated[int, Query(ge=0, description="items to skip")] = 0,
+    offset: Annotated[int, Query(ge=0, le=INT32_MAX, description="items to skip")] = 0,
 ) -> PageParams:
     return PageParams(limit=limit, offset=offset)
 

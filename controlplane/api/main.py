@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
+from modelfleet.controlplane.api.deps import refuse_nul_characters
 from modelfleet.controlplane.api.routes import audit, keys, models, tenants, versions
 from modelfleet.controlplane.schemas import ErrorBody
 
@@ -18,6 +19,7 @@ ERRORS = {
 api_router = APIRouter(
     prefix="/api/v1",
     responses={code: {"model": ErrorBody, "description": text} for code, text in ERRORS.items()},
+    dependencies=[Depends(refuse_nul_characters)],
 )
 for module in (tenants, keys, models, versions, audit):
     api_router.include_router(module.router)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Response, status
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response, status
 from modelfleet.controlplane import crud
 from modelfleet.controlplane.api.deps import (
     ClusterDep,
@@ -14,9 +16,10 @@ from modelfleet.controlplane.api.deps import (
 )
 from modelfleet.controlplane.core import security
 from modelfleet.controlplane.errors import NotFound
-from modelfleet.controlplane.schemas import ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, Page
+from modelfleet.controlplane.schemas import INT32_MAX, ApiKeyCreate, ApiKeyCreated, ApiKeyPublic, Page
 
 router = APIRouter(prefix="/tenants/{tenant_name}/keys", tags=["keys"])
+KeyId = Annotated[int, Path(ge=1, le=INT32_MAX, description="the key's id")]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
@@ -34,6 +37,7 @@ def create_key(
         key_in=key_in,
         actor=principal.actor,
         server_pepper=settings.key_pepper.get_secret_value(),
+        minted_by=None if principal.is_admin else principal.key_prefix,
     )
     # The data plane's digest is made here, while the token is at hand; it is kept only in the Secret.
     new_key = (key.prefix, security.serving_digest(token))
@@ -58,7 +62,9 @@ def list_keys(
 
 
 @router.get("/{key_id}")
-def get_key(key_id: int, principal: CurrentPrincipal, tenant: TenantDep, session: SessionDep) -> ApiKeyPublic:
+def get_key(
+    key_id: KeyId, principal: CurrentPrincipal, tenant: TenantDep, session: SessionDep
+) -> ApiKeyPublic:
     key = crud.get_api_key(session, tenant=tenant, key_id=key_id)
     if key is None:
         raise NotFound(f"API key {key_id} not found in tenant {tenant.name!r}", param="key_id")
@@ -67,7 +73,7 @@ def get_key(key_id: int, principal: CurrentPrincipal, tenant: TenantDep, session
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT)
 def revoke_key(
-    key_id: int, principal: CurrentPrincipal, tenant: TenantDep, session: SessionDep, cluster: ClusterDep
+    key_id: KeyId, principal: CurrentPrincipal, tenant: TenantDep, session: SessionDep, cluster: ClusterDep
 ) -> Response:
     key = crud.get_api_key(session, tenant=tenant, key_id=key_id)
     if key is None:
