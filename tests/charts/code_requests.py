@@ -23,7 +23,7 @@ from controlplane_factories import MemoryStore
 from kopf._core.intents import registries
 from modelfleet.controlplane import cluster as cp_cluster
 from modelfleet.controlplane.models import Model, ModelVersion, Tenant
-from modelfleet.operator import handlers, kube, sync
+from modelfleet.operator import handlers, kube, preflight, sync
 from modelfleet.operator.api import API_VERSION
 from modelfleet.operator.kube import Kube, KubeError
 from modelfleet.operator.metrics_source import MetricsSource, ScrapeError
@@ -88,6 +88,9 @@ class RecordingKube(Kube):
         super().__init__()
         self.objects: dict[str, dict[str, Any]] = {}
         self.needs: list[Need] = []
+        self.discovery = {
+            "/apis/kopf.dev/v1": {"resources": [{"name": "clusterkopfpeerings"}, {"name": "kopfpeerings"}]}
+        }
 
     def put(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -105,7 +108,11 @@ class RecordingKube(Kube):
         content_type: str = "application/json",
     ) -> dict[str, Any]:
         need = path_request(method, path, query)
-        assert need is not None, f"the operator called {method} {path}: not a resource request"
+        if need is None:  # discovery: any authenticated user may read it
+            assert method == "GET", f"the operator called {method} {path}: not a resource request"
+            if path not in self.discovery:
+                raise KubeError(404, f"{path} not served")
+            return copy.deepcopy(self.discovery[path])
         self.needs.append(need)
         verb, resource, namespace, name = need
         if content_type == APPLY:
@@ -179,6 +186,7 @@ def operator_needs() -> list[Need]:
     ctx = sync.Context(kube=api, settings=settings, record=record)
     im = copy.deepcopy(examples["chat"])
     sync.reconcile_model(ctx, copy.deepcopy(im))  # conversion Jobs, serving objects, status
+    sync.reconcile_model(ctx, copy.deepcopy(im))  # Jobs without pods: their Events may say why
     _finish_jobs(api)
     sync.reconcile_model(ctx, copy.deepcopy(im))  # the Jobs' pods are read
     with contextlib.suppress(ScrapeError):  # none is running: the scrape lists the pods and gives up
@@ -283,6 +291,15 @@ def control_plane_needs() -> tuple[list[Need], set[str]]:
     for call in calls.values():
         call()
     return store.needs, set(calls)
+
+
+def preflight_needs(served: str | None, peering: str) -> list[Need]:
+    """The start-up check that the peering object kopf waits for exists (operator/preflight.py)."""
+    api = RecordingKube()
+    objects = preflight.peering_objects(peering, [served] if served else [], clusterwide=served is None)
+    assert objects, "the preflight looks for no peering object"
+    preflight.check_peering(api, objects)
+    return api.needs
 
 
 def kopf_needs(served: str | None, peering: str) -> list[Need]:

@@ -26,7 +26,7 @@ def _each(verbs: str, resources: str, where: str, name: str | None = None) -> li
 OPERATOR_MAY: list[Row] = [
     *_each("list watch", "customresourcedefinitions.apiextensions.k8s.io", ALL),
     *_each("list watch", "clusterkopfpeerings.kopf.dev", ALL),
-    ("patch", "clusterkopfpeerings.kopf.dev", ALL, PEERING),
+    *_each("get patch", "clusterkopfpeerings.kopf.dev", ALL, PEERING),
     *_each("list watch", f"{IM} {MV}", ALL),
     *_each("get patch", f"{IM} {MV}", TENANT),
     *_each("patch", f"{IM}/status {MV}/status", TENANT),
@@ -37,7 +37,7 @@ OPERATOR_MAY: list[Row] = [
     *_each("get list watch create patch", "deployments.apps", TENANT),
     *_each("create patch delete", "horizontalpodautoscalers.autoscaling", TENANT),
     *_each("create patch", "poddisruptionbudgets.policy", TENANT),
-    ("create", "events", TENANT),
+    *_each("list create", "events", TENANT),
 ]
 OPERATOR_MAY_NOT: list[Row] = [
     *_each("get list watch", "secrets", ALL),
@@ -48,7 +48,7 @@ OPERATOR_MAY_NOT: list[Row] = [
     ("patch", "clusterkopfpeerings.kopf.dev", ALL),
     ("patch", "clusterkopfpeerings.kopf.dev", ALL, "someone-elses-peering"),
     ("delete", "clusterkopfpeerings.kopf.dev", ALL, PEERING),
-    ("get", "clusterkopfpeerings.kopf.dev", ALL, PEERING),
+    ("get", "clusterkopfpeerings.kopf.dev", ALL, "someone-elses-peering"),
     ("create", "customresourcedefinitions.apiextensions.k8s.io", ALL),
     *_each("create delete update", f"{IM} {MV}", TENANT),
     ("update", f"{IM}/status", TENANT),
@@ -60,7 +60,7 @@ OPERATOR_MAY_NOT: list[Row] = [
     *_each("get delete", "configmaps services", TENANT),
     ("delete", "poddisruptionbudgets.policy", TENANT),
     *_each("get list", "horizontalpodautoscalers.autoscaling", TENANT),
-    *_each("get patch", "events", TENANT),
+    *_each("get watch patch delete", "events", TENANT),
     *_each("create patch", "resourcequotas", TENANT),
     ("create", "clusterrolebindings.rbac.authorization.k8s.io", ALL),
     ("escalate", "clusterroles.rbac.authorization.k8s.io", ALL),

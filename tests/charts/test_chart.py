@@ -97,6 +97,7 @@ OPERATOR_WORKLOAD_GRANTS = {
     *{("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")},
     *{("autoscaling", "horizontalpodautoscalers", v) for v in ("create", "patch", "delete")},
     *{("policy", "poddisruptionbudgets", v) for v in ("create", "patch")},
+    ("", "events", "list"),
     ("", "events", "create"),
 }
 OPERATOR_FRAMEWORK_GRANTS = {
@@ -108,6 +109,7 @@ OPERATOR_NAMESPACE_DISCOVERY_GRANTS = {("", "namespaces", "list"), ("", "namespa
 OPERATOR_CLUSTER_WIDE_GRANTS = {
     ("kopf.dev", "clusterkopfpeerings", "list"),
     ("kopf.dev", "clusterkopfpeerings", "watch"),
+    ("kopf.dev", "clusterkopfpeerings", "get"),
     ("kopf.dev", "clusterkopfpeerings", "patch"),
 }
 CONTROL_PLANE_GRANTS = {
@@ -269,7 +271,7 @@ def test_operator_rbac_is_namespaced_when_namespaces_are_listed(rendered) -> Non
     assert grants(operator) == OPERATOR_FRAMEWORK_GRANTS | OPERATOR_NAMESPACE_DISCOVERY_GRANTS
     roles = [doc for doc in docs if doc["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    peering_grants = {("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")}
+    peering_grants = {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
     for role in roles:
         assert grants(role) == OPERATOR_WORKLOAD_GRANTS | peering_grants
     peerings = [doc for doc in docs if doc["kind"] == "KopfPeering"]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from modelfleet.controlplane.cluster import Cluster
 
-from .code_requests import Need, control_plane_needs, kopf_needs, operator_needs
+from .code_requests import Need, control_plane_needs, kopf_needs, operator_needs, preflight_needs
 from .helm import by_kind, render
 from .rbac import Authorizer, Request, service_account
 
@@ -50,18 +50,20 @@ def operator_calls() -> list[Need]:
 
 
 def test_operator_is_allowed_every_request_it_makes(default_chart, operator_calls) -> None:
-    needs = operator_calls + kopf_needs(None, PEERING)
+    needs = operator_calls + kopf_needs(None, PEERING) + preflight_needs(None, PEERING)
     assert refused(Authorizer(default_chart), OPERATOR, needs) == []
 
 
 def test_operator_serving_listed_namespaces_is_allowed_every_request(operator_calls) -> None:
     chart = Authorizer(render({"operator": {"watchNamespaces": ["team-a"]}}))
-    assert refused(chart, OPERATOR, operator_calls + kopf_needs("team-a", PEERING)) == []
+    needs = operator_calls + kopf_needs("team-a", PEERING) + preflight_needs("team-a", PEERING)
+    assert refused(chart, OPERATOR, needs) == []
 
 
 def test_operator_is_granted_nothing_it_does_not_use(default_chart, operator_calls) -> None:
     role = by_kind(default_chart, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
-    used = {(verb, resource) for verb, resource, _, _ in operator_calls + kopf_needs(None, PEERING)}
+    needs = operator_calls + kopf_needs(None, PEERING) + preflight_needs(None, PEERING)
+    used = {(verb, resource) for verb, resource, _, _ in needs}
     assert grants(role) - used == set()
     # The scenario reaches the rarer calls too (else the check above would prove little).
     assert {
