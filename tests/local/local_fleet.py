@@ -1,0 +1,75 @@
+"""What the local-fleet tests share: the model.yaml they apply and small helpers to wait and look."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+from modelfleet.local.fleet import Fleet
+from modelfleet.operator.api import API_VERSION
+
+MODEL = "chat"
+
+
+def model_yaml(*, w1: int = 70, w2: int = 30, rollout: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Model `chat` on cpu: v1 (the hardware's full-precision torch artifact) and v2 (int8, onnxruntime),
+    loaded on first use so that a test can look at an artifact before any server reads it."""
+    spec: dict[str, Any] = {
+        "hardware": {"accelerator": "cpu"},
+        "engine": {"maxModelLen": 192, "maxNumSeqs": 6},
+        "traffic": [{"version": "v1", "weight": w1}, {"version": "v2", "weight": w2}],
+        "loading": {"mode": "lazy"},
+    }
+    if rollout is not None:
+        spec["rollout"] = rollout
+    return [
+        {"apiVersion": API_VERSION, "kind": "InferenceModel", "metadata": {"name": MODEL}, "spec": spec},
+        version_doc("v1", "pvc://models/chat/v1"),
+        version_doc("v2", "pvc://models/chat/v2", quantization="int8"),
+    ]
+
+
+def version_doc(version: str, uri: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ModelVersion",
+        "metadata": {"name": f"{MODEL}-{version}"},
+        "spec": {"model": MODEL, "version": version, "source": {"uri": uri}, **spec},
+    }
+
+
+def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def model(fleet: Fleet) -> dict[str, Any]:
+    found = fleet.kube.get(API_VERSION, "InferenceModel", "default", MODEL)
+    assert found is not None
+    return found
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_)
+
+
+def serving_pods(fleet: Fleet) -> list[dict[str, Any]]:
+    return fleet.kube.list(
+        "v1", "Pod", "default", {"modelfleet.dev/model": MODEL, "app.kubernetes.io/component": "dataplane"}
+    )
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def load_yaml(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]

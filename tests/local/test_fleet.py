@@ -1,0 +1,181 @@
+"""The whole fleet on one machine, from model.yaml to tokens: the operator's reconcile converts both
+versions with the real converter, starts the real server, and the official `openai` client gets tokens
+through the local endpoint. The tests share one fleet and run in file order; the last one deletes it."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from local_fleet import MODEL, model, model_yaml, serving_pods, wait_for
+from modelfleet.operator.api import API_VERSION
+
+# p=0.7 over 160 requests: the 99.9% binomial interval is 112 +- 19 (normal approximation, z=3.29).
+REQUESTS = 160
+Z = 3.29
+
+
+def client(fleet, **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.endpoint(MODEL), api_key="local", max_retries=0, timeout=60, **kwargs)
+
+
+def split(fleet, n: int = REQUESTS) -> Counter:
+    """Which version answered each of `n` requests, from the x-modelfleet-version header."""
+    api = client(fleet)
+    counts: Counter = Counter()
+    lock = threading.Lock()
+
+    def send(count: int) -> None:
+        for _ in range(count):
+            raw = api.completions.with_raw_response.create(model=MODEL, prompt="Once upon", max_tokens=1)
+            with lock:
+                counts[raw.headers["x-modelfleet-version"]] += 1
+
+    threads = [threading.Thread(target=send, args=(n // 4,)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return counts
+
+
+def assert_split(counts: Counter, weights: dict[str, int]) -> None:
+    n = sum(counts.values())
+    for version, weight in weights.items():
+        p = weight / 100
+        half = Z * math.sqrt(n * p * (1 - p))
+        assert n * p - half <= counts[version] <= n * p + half, (counts, weights)
+
+
+def replica_pids(fleet) -> dict[str, int]:
+    return {name: r.container.process.pid for name, r in fleet.deployments.replicas.items()}
+
+
+# --- 1. conversion, serving, split ------------------------------------------------------------------------
+
+
+def test_both_versions_are_converted_validated_and_published(fleet, pvc_root: Path):
+    by_version = {
+        mv["spec"]["version"]: mv["status"] for mv in fleet.kube.list(API_VERSION, "ModelVersion", "default")
+    }
+    v1 = {(a["format"], a["dtype"]) for a in by_version["v1"]["artifacts"]}
+    v2 = {(a["format"], a["dtype"]) for a in by_version["v2"]["artifacts"]}
+    assert v1 == {("torch", "bf16")} and v2 == {("torch", "bf16"), ("onnx", "int8")}
+    for status in by_version.values():
+        for artifact in status["artifacts"]:
+            assert artifact["uri"].startswith("pvc://modelfleet-models/artifacts/chat/")
+            assert artifact["validation"], artifact  # the converter checked it against the source
+            folder = pvc_root / artifact["uri"].removeprefix("pvc://")
+            assert (folder / "manifest.json").is_file()
+            assert not list(folder.parent.glob(".*.tmp-*")), "a staging folder was left behind"
+    # The int8 version is served from its onnxruntime artifact: the manifest the server reads says so.
+    (replica,) = fleet.deployments.replicas.values()
+    manifest = (replica.container.folder / "volumes" / "manifest" / "manifest.yaml").read_text()
+    assert str(pvc_root / "modelfleet-models/artifacts/chat/v2/cpu-onnx-int8") in manifest
+
+
+def test_openai_client_gets_completions_and_streams_from_both_versions(fleet):
+    api = client(fleet)
+    for version in ("v1", "v2"):
+        raw = api.completions.with_raw_response.create(
+            model=f"{MODEL}@{version}", prompt="Hello", max_tokens=4
+        )
+        assert raw.headers["x-modelfleet-version"] == version
+        assert raw.parse().choices[0].text
+        with api.chat.completions.with_streaming_response.create(
+            model=f"{MODEL}@{version}",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=6,
+            stream=True,
+        ) as stream:
+            assert stream.headers["x-modelfleet-version"] == version
+            chunks = list(stream.parse())
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_requests_follow_the_requested_split(fleet):
+    assert model(fleet)["status"]["traffic"] == "v1=70,v2=30"
+    assert_split(split(fleet), {"v1": 70, "v2": 30})
+
+
+# --- 3. spec.engine reaches the engine ----------------------------------------------------------------
+
+
+def test_engine_settings_of_the_yaml_are_what_the_server_runs(fleet):
+    split(fleet, 8)  # both versions loaded (lazy loading)
+    ready = httpx.get(fleet.endpoint(MODEL).removesuffix("/v1") + "/ready", timeout=10).json()
+    loaded = [v for v in ready["versions"] if v["state"] == "loaded"]
+    assert {v["version"] for v in loaded} == {"v1", "v2"}
+    for version in loaded:
+        assert version["max_num_seqs"] == 6 and version["max_model_len"] == 192, version
+    with pytest.raises(openai.BadRequestError):  # the engine holds maxModelLen: 192 tokens in all
+        client(fleet).completions.create(model=MODEL, prompt="Hello", max_tokens=200)
+
+
+# --- 2. a traffic edit applies live --------------------------------------------------------------------
+
+
+def test_a_traffic_edit_applies_live_without_restarts_or_dropped_requests(fleet):
+    pids = replica_pids(fleet)
+    api = client(fleet)
+    with api.completions.with_streaming_response.create(
+        model=f"{MODEL}@v1", prompt="Once", max_tokens=120, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
+        events = stream.parse()
+        first = next(events)
+        fleet.apply(model_yaml(w1=20, w2=80))
+        wait_for(lambda: model(fleet)["status"]["traffic"] == "v1=20,v2=80", 30, "the new split in status")
+        wait_for(
+            lambda: _server_weights(fleet) == {"v1": 20, "v2": 80}, 30, "the servers to reload the split"
+        )
+        rest = list(events)
+    chunks = [first, *rest]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices) for c in chunks) >= 100  # every token of the in-flight stream arrived
+    assert_split(split(fleet), {"v1": 20, "v2": 80})
+    assert replica_pids(fleet) == pids
+    for pod in serving_pods(fleet):
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def _server_weights(fleet) -> dict[str, int]:
+    ready = httpx.get(fleet.endpoint(MODEL).removesuffix("/v1") + "/ready", timeout=10).json()
+    return {v["version"]: v["weight"] for v in ready["versions"]}
+
+
+# --- 5. a server killed mid-stream -----------------------------------------------------------------------
+
+
+def test_a_server_killed_mid_stream_breaks_that_stream_and_is_restarted(fleet):
+    ((name, pid),) = replica_pids(fleet).items()
+    api = client(fleet)
+    with api.completions.with_streaming_response.create(
+        model=MODEL, prompt="Once", max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
+        events = stream.parse()
+        next(events)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            list(events)  # the rest never comes: the stream breaks off
+
+    def restarted() -> bool:
+        pod = fleet.kube.get("v1", "Pod", "default", name)
+        status = pod["status"]["containerStatuses"][0]
+        return status["restartCount"] == 1 and status["ready"]
+
+    wait_for(restarted, 90, "the replica to restart and be ready")
+    assert replica_pids(fleet)[name] != pid
+    pod = fleet.kube.get("v1", "Pod", "default", name)
+    assert (
+        pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
+    )
+    answers = [client(fleet).completions.create(model=MODEL, prompt="Again", max_tokens=2) for _ in range(4)]
+    assert all(a.choices[0].text is not None for a in answers)
