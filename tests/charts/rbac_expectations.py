@@ -8,11 +8,12 @@ ALL (cluster-scoped, or every namespace at once) or TENANT (one namespace a tena
 
 from __future__ import annotations
 
+from modelfleet.controlplane.resources import KEYS_SECRET, QUOTA_NAME
+
 from .rbac import Request
 
 ALL, TENANT = "all", "tenant"
-KEYS_SECRET = "modelfleet-api-keys"  # controlplane/resources.py KEYS_SECRET
-QUOTA = "modelfleet-quota"  # controlplane/resources.py QUOTA_NAME
+QUOTA = QUOTA_NAME
 PEERING = "<peering>"  # the release's own kopf peering object, filled in per release
 IM, MV = "inferencemodels.modelfleet.dev", "modelversions.modelfleet.dev"
 
