@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from modelfleet.operator import schema_checks
 from modelfleet.operator.validation import InvalidResource, validate_inference_model
 
@@ -160,3 +162,58 @@ def test_the_operator_does_not_need_cel_python():
         "sys.exit('celpy' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+# cel-python sets its recursion limit when first used; hypothesis warns if that happens inside a test.
+schema_checks.Cel.get()
+versions = st.sampled_from(["v1", "v2", "V3"])
+SPLITS = [
+    [{"version": "v1", "weight": 100}],
+    [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
+    [{"version": "v1", "weight": 50}, {"version": "v1", "weight": 50}],
+    [{"version": "v2", "weight": 0}, {"version": "v1", "weight": 100}],
+]
+specs = st.fixed_dictionaries(
+    {
+        "hardware": st.fixed_dictionaries(
+            {"accelerator": st.sampled_from(["cpu", "nvidia-l4", "nvidia-l4", "gpu-x"])},
+            optional={"count": st.integers(0, 17)},
+        ),
+        "traffic": st.one_of(
+            st.sampled_from(SPLITS),
+            st.lists(
+                st.fixed_dictionaries({"version": versions, "weight": st.integers(-5, 105)}), max_size=3
+            ),
+        ),
+    },
+    optional={
+        "replicas": st.fixed_dictionaries(
+            {},
+            optional={
+                "min": st.sampled_from([-1, 0, 1, 2, 3, 1000, 1001]),
+                "max": st.sampled_from([0, 1, 2, 3, 1000, 1001]),
+            },
+        ),
+        "engine": st.fixed_dictionaries(
+            {}, optional={"kvCacheMemoryFraction": st.sampled_from([0, 0.0, 0.5, 1, 1.0, 1.5])}
+        ),
+        "rollout": st.fixed_dictionaries(
+            {"candidate": versions},
+            optional={"steps": st.one_of(st.just([10, 50, 100]), st.lists(st.integers(0, 101), max_size=4))},
+        ),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=specs)
+def test_the_crd_and_the_pydantic_model_accept_the_same_specs(crd_files, spec):
+    """What `modelfleet local up` refuses (the CRD) is exactly what the operator would refuse (pydantic)."""
+    obj = {**model(), "spec": spec}
+    errors = schema_checks.admit(crd_files["InferenceModel"], obj).errors
+    try:
+        validate_inference_model(obj)
+        pydantic_error = None
+    except InvalidResource as exc:
+        pydantic_error = str(exc)
+    assert (errors == []) == (pydantic_error is None), (errors, pydantic_error)
