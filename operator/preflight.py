@@ -11,6 +11,7 @@ would not create it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 # kopf accepts its peering kinds under either group; the chart's crds/kopf-peering.yaml has kopf.dev.
 GROUPS = ("kopf.dev/v1", "zalando.org/v1")
 GLOB = set("*?[")
+PROBE_SECONDS = 2.0  # the chart's liveness probe gives up after 5
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,14 @@ class PeeringCheck:
 
     def report(self) -> str:
         """For /healthz: re-checked while something is missing (kopf caches probes for 10 s), never after."""
-        problems = self.run() if self.problems else self.problems
-        if problems is None:
+        if self.problems:
+            self.run()
+        return self.last_report()
+
+    def last_report(self) -> str:
+        if self.problems is None:
             return "not checked yet"
-        return "; ".join(problems) if problems else "ok: " + ", ".join(str(o) for o in self.objects)
+        return "; ".join(self.problems) if self.problems else "ok: " + ", ".join(str(o) for o in self.objects)
 
 
 # --- kopf registrations (imported by `modelfleet operator`, after handlers.py, whose start-up handler
@@ -142,6 +148,13 @@ def peering_preflight(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> N
 
 
 @kopf.on.probe(id="peering")
-def peering_probe(memo: Any, **_: Any) -> str:
+async def peering_probe(memo: Any, **_: Any) -> str:
     check = getattr(memo, "peering_check", None)
-    return "standalone" if check is None else check.report()
+    if check is None:
+        return "standalone"
+    # A slow API server must not make the liveness probe time out (and the pod restart): answer with
+    # what is known and let the re-check finish in the background.
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(check.report), timeout=PROBE_SECONDS)
+    except TimeoutError:
+        return check.last_report()

@@ -3,10 +3,12 @@ a silent pause. Against kmock: the check alone, then kopf itself with our handle
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import re
 import socket
+import time
 
 import aiohttp
 import kopf
@@ -100,6 +102,42 @@ async def test_the_check_warns_once_rechecks_for_the_probe_and_says_when_found(k
     before = len(list(kmock))
     await asyncio.to_thread(check.report)  # found: the probe costs no API call any more
     assert len(list(kmock)) == before
+
+
+async def test_the_probe_never_waits_long_for_the_api(monkeypatch):
+    class SlowCheck(PeeringCheck):
+        def run(self) -> list[str]:
+            time.sleep(0.5)  # an API server that answers slowly
+            return super().run()
+
+    check = SlowCheck(None, [OBJECT])  # type: ignore[arg-type]
+    check.problems = ["kopf peering: KopfPeering team-a/modelfleet does not exist"]
+    monkeypatch.setattr(preflight, "check_peering", lambda kube, objects: [])
+    monkeypatch.setattr(preflight, "PROBE_SECONDS", 0.05)
+    memo = kopf.Memo(peering_check=check)
+    assert await preflight.peering_probe(memo=memo) == check.problems[0]  # the last word, at once
+    assert await preflight.peering_probe(memo=kopf.Memo()) == "standalone"
+    await asyncio.sleep(0.6)  # the re-check went on in the background
+    assert check.last_report() == f"ok: KopfPeering {NS}/modelfleet"
+
+
+def test_the_command_gives_the_pre_flight_its_namespaces_and_peering(monkeypatch):
+    """`modelfleet operator -n team-a`: kopf runs with our peering name, and the namespaces in its memo
+    (kopf gives handlers no other way to learn them)."""
+    from modelfleet.operator import main
+    from modelfleet.operator.settings import get_settings
+
+    ran = {}
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: ran.update(kwargs))
+    monkeypatch.setenv("MODELFLEET_OPERATOR_METRICS_PORT", "0")
+    get_settings.cache_clear()
+    try:
+        args = argparse.Namespace(namespace=["team-a"], all_namespaces=False, standalone=False, peering=None)
+        assert main._run(args) == 0
+    finally:
+        get_settings.cache_clear()
+    assert (ran["peering_name"], ran["standalone"], ran["clusterwide"]) == ("modelfleet", None, False)
+    assert ran["memo"].namespaces == ["team-a"]
 
 
 def free_port() -> int:
