@@ -377,9 +377,30 @@ def _uses_old_self(rule: str) -> bool:
     return re.search(r"\boldSelf\b", rule) is not None
 
 
+def as_declared(schema: dict[str, Any], value: Any) -> Any:
+    """`value` with the integers of `number` fields as floats: CEL sees the declared type (double), as the
+    API server gives it, so `self.fraction <= 1.0` holds for `fraction: 1`."""
+    if schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, dict):
+        props, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        return {
+            k: as_declared(props.get(k, extra if isinstance(extra, dict) else {}), v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [as_declared(schema["items"], item) for item in value]
+    return value
+
+
 def validate_cel(schema: dict[str, Any], value: Any, path: str = "", old: Any = _MISSING) -> list[FieldError]:
     """Every x-kubernetes-validations rule in scope, on `value` as it is (the caller defaults first).
     Transition rules (oldSelf) run only where an old value correlates, as on an update."""
+    old = old if old is _MISSING else as_declared(schema, old)
+    return _validate_cel(schema, as_declared(schema, value), path, old)
+
+
+def _validate_cel(schema: dict[str, Any], value: Any, path: str, old: Any) -> list[FieldError]:
     errors: list[FieldError] = []
     for rule in schema.get("x-kubernetes-validations", []):
         uses_old = _uses_old_self(rule["rule"])
@@ -407,7 +428,7 @@ def validate_cel(schema: dict[str, Any], value: Any, path: str = "", old: Any = 
             sub_schema = props.get(key, extra if isinstance(extra, dict) else None)
             if sub_schema is not None:
                 sub_old = old.get(key, _MISSING) if correlates else _MISSING
-                errors += validate_cel(sub_schema, sub, _child(path, key), sub_old)
+                errors += _validate_cel(sub_schema, sub, _child(path, key), sub_old)
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         keys = schema.get("x-kubernetes-list-map-keys", [])
         by_key = {}
@@ -415,7 +436,7 @@ def validate_cel(schema: dict[str, Any], value: Any, path: str = "", old: Any = 
             by_key = {json.dumps([o.get(k) for k in keys]): o for o in old if isinstance(o, dict)}
         for index, item in enumerate(value):
             item_key = json.dumps([item.get(k) for k in keys]) if isinstance(item, dict) else None
-            errors += validate_cel(schema["items"], item, f"{path}[{index}]", by_key.get(item_key, _MISSING))
+            errors += _validate_cel(schema["items"], item, f"{path}[{index}]", by_key.get(item_key, _MISSING))
     return errors
 
 

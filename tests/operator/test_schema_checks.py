@@ -144,6 +144,17 @@ def test_an_update_runs_the_transition_rules(crd_files):
     )
 
 
+def test_cel_sees_the_declared_type_of_a_number():
+    schema = {
+        "type": "object",
+        "properties": {"fraction": {"type": "number"}},
+        "x-kubernetes-validations": [{"rule": "self.fraction <= 1.0", "message": "at most 1"}],
+    }
+    assert schema_checks.validate_cel(schema, {"fraction": 1}) == []
+    (error,) = schema_checks.validate_cel(schema, {"fraction": 2}, "spec")
+    assert str(error) == 'spec: Invalid value: "object": at most 1'
+
+
 def test_several_errors_are_listed_like_kubectl(crd_files):
     obj = model(replicas={"min": 5, "max": 3}, traffic=[{"version": "v1", "weight": 90}])
     with pytest.raises(schema_checks.Invalid) as caught:
