@@ -77,7 +77,15 @@ def onnx_candidate(artifact: Path) -> tuple[LogitsFn, dict]:
     return run, {"method": "onnxruntime-prefill-then-cache", "device": "cpu"}
 
 
-def tensorrt_candidate(artifact: Path, config: dict) -> tuple[LogitsFn, dict]:
-    from modelfleet.converters.tensorrt_engine import TensorRTLogits
+def tensorrt_candidate(artifact: Path) -> tuple[LogitsFn, dict]:
+    """The data plane's TensorRT runner, as it will serve the artifact."""
+    from modelfleet.converters.tensorrt_engine import require_tensorrt
+    from modelfleet.dataplane.tensorrt_engine import TensorRTRunner
 
-    return TensorRTLogits(artifact, config), {"method": "tensorrt", "device": "cuda"}
+    require_tensorrt()
+    runner = TensorRTRunner(artifact)
+
+    def run(ids: list[int]) -> torch.Tensor:
+        return torch.from_numpy(runner.logits(ids))
+
+    return run, {"method": "tensorrt-prefill-then-cache", "device": "cuda"}

@@ -173,5 +173,5 @@ def _validate(ckpt: Checkpoint, target: Target, staging: Path) -> dict:
     elif target.format == "onnx":
         cand, how = candidates.onnx_candidate(staging)
     else:
-        cand, how = candidates.tensorrt_candidate(staging, ckpt.config)
+        cand, how = candidates.tensorrt_candidate(staging)
     return {**how, **validate.compare(reference, cand, prompts, text, target.dtype)}

@@ -50,11 +50,13 @@ class AsyncOnnxEngine(PromptChecks, ThreadedEngine):
     """Takes the torch engine's settings (see EngineConfig) so one manifest can serve either format;
     only `max_model_len` and `seed` mean something here, the paged-cache ones are accepted and unused."""
 
+    runner_class: Any = OnnxRunner  # the TensorRT engine drives another runner with the same contract
+
     def __init__(self, model: str | Path, **engine_config: Any) -> None:
         from transformers import AutoTokenizer
 
         self.config = EngineConfig.from_kwargs(model, **engine_config)
-        self.runner = OnnxRunner(self.config.model)
+        self.runner = self.runner_class(self.config.model)
         model_config = json.loads((Path(self.config.model) / "config.json").read_text())
         model_max = model_config.get("max_position_embeddings") or 2048
         if self.config.max_model_len is not None and self.config.max_model_len > model_max:

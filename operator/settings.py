@@ -42,6 +42,9 @@ class OperatorSettings(BaseSettings):
         default=120, ge=1, description="long enough for the longest stream to finish"
     )
     dataplane_otlp_endpoint: str = ""
+    # Whether the data-plane image carries TensorRT (and so serves TensorRT artifacts); off by default,
+    # as the image built from docker/dataplane.Dockerfile has none: TensorRT targets are then refused.
+    dataplane_tensorrt: bool = False
     dataplane_cpu: str = "2"
     dataplane_memory: str = "16Gi"
 

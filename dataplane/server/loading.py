@@ -2,7 +2,10 @@
 
 A torch checkpoint (safetensors) gets an `AsyncLLM`, or on a GPU an `AsyncLLMProcess` (the engine loop
 in its own process, so that the server's event loop never holds up a step); an ONNX artifact
-(manifest.json says format "onnx", or *.onnx files without safetensors) gets an `AsyncOnnxEngine`.
+(manifest.json says format "onnx", or *.onnx files without safetensors) gets an `AsyncOnnxEngine`; a
+TensorRT artifact (format "tensorrt", or a model.plan) an `AsyncTensorRTEngine`, whose load fails with
+the reason where the image has no TensorRT or the node no NVIDIA GPU. Every format the converters
+publish has its loader here.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ def engine_max_num_seqs(engine: Any, spec: VersionSpec) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
-def is_onnx_artifact(artifact: Path) -> bool:
+ARTIFACT_FORMATS = ("torch", "onnx", "tensorrt")
+
+
+def artifact_format(artifact: Path) -> str:
+    """torch, onnx or tensorrt: what the artifact's manifest.json says, else what its files are."""
     manifest = artifact / "manifest.json"
     if manifest.is_file():
         try:
@@ -43,8 +50,20 @@ def is_onnx_artifact(artifact: Path) -> bool:
         except (ValueError, AttributeError):
             fmt = None
         if fmt is not None:
-            return fmt == "onnx"
-    return any(artifact.glob("*.onnx")) and not any(artifact.glob("*.safetensors"))
+            if fmt not in ARTIFACT_FORMATS:
+                raise ValueError(
+                    f"{manifest}: format {fmt!r} has no loader here; one of {', '.join(ARTIFACT_FORMATS)}"
+                )
+            return fmt
+    if any(artifact.glob("*.safetensors")):
+        return "torch"
+    if any(artifact.glob("*.plan")):
+        return "tensorrt"
+    return "onnx" if any(artifact.glob("*.onnx")) else "torch"
+
+
+def is_onnx_artifact(artifact: Path) -> bool:
+    return artifact_format(artifact) == "onnx"
 
 
 def load_engine(spec: VersionSpec) -> Any:
@@ -53,10 +72,15 @@ def load_engine(spec: VersionSpec) -> Any:
     if not artifact.is_dir():
         raise FileNotFoundError(f"artifact {artifact} is not a directory")
     with _LOAD_LOCK:
-        if is_onnx_artifact(artifact):
+        fmt = artifact_format(artifact)
+        if fmt == "onnx":
             from modelfleet.dataplane.onnx_engine import AsyncOnnxEngine
 
             return AsyncOnnxEngine(str(artifact), **engine_kwargs(spec))
+        if fmt == "tensorrt":
+            from modelfleet.dataplane.tensorrt_engine import AsyncTensorRTEngine
+
+            return AsyncTensorRTEngine(str(artifact), **engine_kwargs(spec))
         kwargs = engine_kwargs(spec)
         if engine_in_own_process(kwargs.get("device"), torch_cuda_available()):
             from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
@@ -91,9 +115,14 @@ def estimate_engine_bytes(spec: VersionSpec) -> int:
     if not artifact.is_dir():
         return 0
     kwargs = engine_kwargs(spec)
-    if is_onnx_artifact(artifact):
-        # The graphs and their external data (model.onnx.data, or any *.data).
-        files = {p for pattern in ("*.onnx", "*.onnx.data", "*.data") for p in artifact.glob(pattern)}
+    try:
+        fmt = artifact_format(artifact)
+    except ValueError:
+        return 0  # the load itself will say what is wrong with the artifact
+    if fmt in ("onnx", "tensorrt"):
+        # The graphs and their external data (model.onnx.data, or any *.data), or the TensorRT plan.
+        patterns = ("*.onnx", "*.onnx.data", "*.data", "*.plan")
+        files = {p for pattern in patterns for p in artifact.glob(pattern)}
         weights = sum(p.stat().st_size for p in files if p.is_file())
         return weights + _onnx_cache_bytes(artifact, kwargs.get("max_model_len"))
     weights = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))

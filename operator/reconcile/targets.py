@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from modelfleet.converters.formats import Target, check_target, default_targets
 from modelfleet.operator.api import ModelVersionSpec
+from modelfleet.operator.settings import get_settings
 
 
 class TargetError(ValueError):
@@ -14,13 +15,29 @@ class TargetError(ValueError):
         self.reason = reason
 
 
-def resolve_targets(spec: ModelVersionSpec, accelerator: str | None) -> list[Target]:
-    """The targets to convert to. `accelerator` is the InferenceModel's (None when it does not exist)."""
+def resolve_targets(
+    spec: ModelVersionSpec, accelerator: str | None, *, tensorrt: bool | None = None
+) -> list[Target]:
+    """The targets to convert to. `accelerator` is the InferenceModel's (None when it does not exist).
+
+    `tensorrt`: whether the data-plane image carries TensorRT (default: MODELFLEET_DATAPLANE_TENSORRT,
+    the chart's `dataplane.tensorrt`). Without it a TensorRT artifact could be built but never served,
+    so no TensorRT target is planned.
+    """
     if spec.targets:
         try:
-            return [check_target(t.accelerator, t.format, t.dtype) for t in spec.targets]
+            targets = [check_target(t.accelerator, t.format, t.dtype) for t in spec.targets]
         except ValueError as exc:
             raise TargetError("InvalidTarget", f"spec.targets: {exc}") from None
+        if tensorrt is None:
+            tensorrt = get_settings().dataplane_tensorrt
+        if not tensorrt and any(t.format == "tensorrt" for t in targets):
+            raise TargetError(
+                "TensorRTUnavailable",
+                "spec.targets: format 'tensorrt' needs a data-plane image with TensorRT, and this fleet's "
+                "has none (chart value dataplane.tensorrt is false); use format torch or onnx",
+            )
+        return targets
     if accelerator is None:
         raise TargetError(
             "ModelNotFound",
