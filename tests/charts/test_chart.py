@@ -80,59 +80,6 @@ BAD_VALUES = {
     "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
 }
 
-# What the operator may do cluster-wide: (apiGroup, resource, verb). Exactly this, nothing more.
-OPERATOR_WORKLOAD_GRANTS = {
-    *{
-        ("modelfleet.dev", r, v)
-        for r in ("inferencemodels", "modelversions")
-        for v in ("get", "list", "watch", "patch")
-    },
-    ("modelfleet.dev", "inferencemodels/status", "patch"),
-    ("modelfleet.dev", "modelversions/status", "patch"),
-    ("modelfleet.dev", "inferencemodels/finalizers", "update"),
-    ("modelfleet.dev", "modelversions/finalizers", "update"),
-    *{("batch", "jobs", v) for v in ("list", "watch", "create", "patch")},
-    ("", "pods", "list"),
-    *{("", r, v) for r in ("configmaps", "services") for v in ("list", "watch", "create", "patch")},
-    *{("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")},
-    *{("autoscaling", "horizontalpodautoscalers", v) for v in ("create", "patch", "delete")},
-    *{("policy", "poddisruptionbudgets", v) for v in ("create", "patch")},
-    ("", "events", "list"),
-    ("", "events", "create"),
-}
-OPERATOR_FRAMEWORK_GRANTS = {
-    ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
-    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
-}
-# kopf lists and watches namespaces only when it serves a list of them.
-OPERATOR_NAMESPACE_DISCOVERY_GRANTS = {("", "namespaces", "list"), ("", "namespaces", "watch")}
-OPERATOR_CLUSTER_WIDE_GRANTS = {
-    ("kopf.dev", "clusterkopfpeerings", "list"),
-    ("kopf.dev", "clusterkopfpeerings", "watch"),
-    ("kopf.dev", "clusterkopfpeerings", "get"),
-    ("kopf.dev", "clusterkopfpeerings", "patch"),
-}
-CONTROL_PLANE_GRANTS = {
-    *{("", "namespaces", v) for v in ("create", "patch", "delete")},
-    *{("", r, v) for r in ("resourcequotas", "secrets") for v in ("create", "patch")},
-    ("", "secrets", "get"),
-    *{
-        ("modelfleet.dev", r, v)
-        for r in ("inferencemodels", "modelversions")
-        for v in ("get", "list", "create", "patch", "delete")
-    },
-}
-
-
-def grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
-    return {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -251,29 +198,27 @@ def test_rbac_is_least_privilege(rendered, value_set: str) -> None:
         )
 
 
-def test_operator_grants_exactly_what_it_uses(rendered) -> None:
-    docs = rendered[("defaults", KUBERNETES_VERSIONS[-1])]
-    operator = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
-    expected = OPERATOR_WORKLOAD_GRANTS | OPERATOR_FRAMEWORK_GRANTS | OPERATOR_CLUSTER_WIDE_GRANTS
-    assert grants(operator) == expected
-    # Writes to peering objects are limited to our own.
+def test_peering_writes_are_limited_to_our_own(rendered) -> None:
+    """What each role grants is checked against what the code calls in test_rbac_needs.py."""
+    operator = by_kind(rendered[("defaults", KUBERNETES_VERSIONS[-1])], "ClusterRole")[
+        "modelfleet-system-mf-modelfleet-operator"
+    ]
     peering_writes = [
         r for r in operator["rules"] if "patch" in r["verbs"] and "clusterkopfpeerings" in r["resources"]
     ]
     assert [r["resourceNames"] for r in peering_writes] == [["modelfleet-system-mf-modelfleet"]]
-    control_plane = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-controlplane"]
-    assert grants(control_plane) == CONTROL_PLANE_GRANTS
 
 
 def test_operator_rbac_is_namespaced_when_namespaces_are_listed(rendered) -> None:
     docs = rendered[("custom-images", KUBERNETES_VERSIONS[-1])]
     operator = by_kind(docs, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
-    assert grants(operator) == OPERATOR_FRAMEWORK_GRANTS | OPERATOR_NAMESPACE_DISCOVERY_GRANTS
+    # Cluster-wide only discovery; the workload rules live in one Role per listed namespace.
+    cluster_wide = {resource for rule in operator["rules"] for resource in rule["resources"]}
+    assert cluster_wide == {"customresourcedefinitions", "namespaces"}
     roles = [doc for doc in docs if doc["kind"] == "Role"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    peering_grants = {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
-    for role in roles:
-        assert grants(role) == OPERATOR_WORKLOAD_GRANTS | peering_grants
+    assert roles[0]["rules"] == roles[1]["rules"]
+    assert "kopfpeerings" in {resource for rule in roles[0]["rules"] for resource in rule["resources"]}
     peerings = [doc for doc in docs if doc["kind"] == "KopfPeering"]
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     assert not by_kind(docs, "ClusterKopfPeering")

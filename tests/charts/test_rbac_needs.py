@@ -49,26 +49,43 @@ def operator_calls() -> list[Need]:
     return operator_needs()
 
 
-def test_operator_is_allowed_every_request_it_makes(default_chart, operator_calls) -> None:
-    needs = operator_calls + kopf_needs(None, PEERING) + preflight_needs(None, PEERING)
-    assert refused(Authorizer(default_chart), OPERATOR, needs) == []
+SERVED = {"all namespaces": None, "listed namespaces": "team-a"}
 
 
-def test_operator_serving_listed_namespaces_is_allowed_every_request(operator_calls) -> None:
-    chart = Authorizer(render({"operator": {"watchNamespaces": ["team-a"]}}))
-    needs = operator_calls + kopf_needs("team-a", PEERING) + preflight_needs("team-a", PEERING)
-    assert refused(chart, OPERATOR, needs) == []
+@pytest.fixture(scope="module")
+def charts(default_chart) -> dict[str | None, list[dict[str, Any]]]:
+    """Served namespace (None: all) -> the rendered chart."""
+    return {None: default_chart, "team-a": render({"operator": {"watchNamespaces": ["team-a"]}})}
 
 
-def test_operator_is_granted_nothing_it_does_not_use(default_chart, operator_calls) -> None:
-    role = by_kind(default_chart, "ClusterRole")["modelfleet-system-mf-modelfleet-operator"]
-    needs = operator_calls + kopf_needs(None, PEERING) + preflight_needs(None, PEERING)
-    used = {(verb, resource) for verb, resource, _, _ in needs}
-    assert grants(role) - used == set()
+def all_operator_needs(operator_calls: list[Need], served: str | None) -> list[Need]:
+    return operator_calls + kopf_needs(served, PEERING) + preflight_needs(served, PEERING)
+
+
+@pytest.mark.parametrize("served", SERVED.values(), ids=SERVED.keys())
+def test_operator_is_allowed_every_request_it_makes(charts, operator_calls, served) -> None:
+    chart = Authorizer(charts[served])
+    assert refused(chart, OPERATOR, all_operator_needs(operator_calls, served)) == []
+
+
+@pytest.mark.parametrize("served", SERVED.values(), ids=SERVED.keys())
+def test_operator_is_granted_nothing_it_does_not_use(charts, operator_calls, served) -> None:
+    roles = [
+        role
+        for role in [
+            *by_kind(charts[served], "ClusterRole").values(),
+            *by_kind(charts[served], "Role").values(),
+        ]
+        if role["metadata"]["name"].endswith("-operator")
+    ]
+    assert len(roles) == (1 if served is None else 2)
+    used = {(verb, resource) for verb, resource, _, _ in all_operator_needs(operator_calls, served)}
+    assert set().union(*(grants(role) for role in roles)) - used == set()
     # The scenario reaches the rarer calls too (else the check above would prove little).
     assert {
         ("delete", "horizontalpodautoscalers.autoscaling"),
         ("list", "pods"),
+        ("list", "events"),
         ("update", "modelversions.modelfleet.dev/finalizers"),
         ("patch", "inferencemodels.modelfleet.dev/status"),
         ("get", "modelversions.modelfleet.dev"),
