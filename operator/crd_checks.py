@@ -708,9 +708,9 @@ class _RuleWalker:
 
 def project_problems(crd: dict[str, Any]) -> list[str]:
     """This project's rules on top of the API server's: bounded strings, lists and maps (they keep the
-    CEL cost estimate small), has() before every optional field a rule reads, defaults written out in
-    full (nested defaults included, and valid so), printer columns that name an existing field of a
-    fitting type, and the status subresource exactly when the schema has a status."""
+    CEL cost estimate small), patterns RE2 can run, has() before every optional field a rule reads,
+    defaults written out in full (nested defaults included, and valid so), printer columns that name an
+    existing field of a fitting type, and the status subresource exactly when the schema has a status."""
     problems = []
     for version in crd["spec"]["versions"]:
         schema = version["schema"]["openAPIV3Schema"]
@@ -736,6 +736,10 @@ def _walk_problems(node: dict[str, Any], path: str) -> list[str]:
         problems.append(f"{path}: array without maxItems")
     if kind == "object" and "additionalProperties" in node and "maxProperties" not in node:
         problems.append(f"{path}: map without maxProperties")
+    if re.search(r"\(\?[=!<>]|\\[1-9]", node.get("pattern", "")):
+        problems.append(
+            f"{path}: pattern needs look-around or back-references, which RE2 (the API server's) lacks"
+        )
     for validation in node.get("x-kubernetes-validations", []):
         unguarded = check_rule(node, validation["rule"]).unguarded
         problems += [

@@ -41,8 +41,9 @@ Not mirrored, and why:
   the api-approved annotation of *.k8s.io groups, conversion webhooks.
 
 Stricter than the API server (`project_problems`, plus refusing anyOf/allOf/oneOf/not outright): bounded
-strings, lists and maps; has() before every optional field a rule reads; defaults written out in full;
-printer columns naming an existing field of a fitting type; status subresource iff a status.
+strings, lists and maps; patterns without look-around or back-references (RE2 has neither); has() before
+every optional field a rule reads; defaults written out in full; printer columns naming an existing field
+of a fitting type; status subresource iff a status.
 """
 
 from __future__ import annotations
@@ -303,6 +304,11 @@ def test_each_check_catches_what_the_api_server_refuses(case, mutate, expected):
 
 
 PROJECT_BROKEN = [
+    (
+        "look-ahead in a pattern",
+        lambda crd: _spec(crd)["routing"]["properties"]["stickyBy"].update(pattern="^(?!x).*$"),
+        "spec.routing.stickyBy: pattern needs look-around",
+    ),
     (
         "unbounded string",
         lambda crd: _spec(crd)["routing"]["properties"]["stickyBy"].pop("maxLength"),
