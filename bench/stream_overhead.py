@@ -91,9 +91,11 @@ def serve(port: int, step_ms: float) -> None:
 
     folder = tempfile.mkdtemp(prefix="stand-in-")
     write_word_tokenizer(folder, VOCAB)
+    manifest = single_model_manifest(folder, name="bench")
+    manifest.models[0].engine["max_num_seqs"] = 1024  # the server admits what the engine says it runs
     app = build_app(
-        ServerSettings(max_running=1024, max_tokens_limit=100_000),
-        single_model_manifest(folder, name="bench"),
+        ServerSettings(max_tokens_limit=100_000),
+        manifest,
         loader=lambda spec: stand_in_engine(folder, step_ms / 1e3),
         estimate_bytes=lambda spec: 0,
     )
