@@ -3,9 +3,9 @@
 `crd_errors(crd)` mirrors apiextensions' CRD validation: names, versions, printer columns, the scale
 subresource, the structural schema and its x-kubernetes-* extensions, CEL rules (parsed, fields checked
 against the schema, oldSelf only where old and new values correlate) and every default, validated as
-written (pruned, OpenAPI, CEL). The errors read like the API server's. `project_problems(crd)` adds our own
-rules. tests/operator/test_crd_checks.py says which API server checks are mirrored and which are not.
-Needs cel-python (the `local` extra).
+written (pruned, OpenAPI, CEL). The errors read like the API server's; `check_crd` raises them as
+kubectl prints them. `project_problems(crd)` adds our own rules. tests/operator/test_crd_checks.py says
+which API server checks are mirrored and which are not. Needs cel-python (the `local` extra).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from modelfleet.operator.schema_checks import (
     UNSUPPORTED,
     Cel,
     FieldError,
+    Invalid,
     apply_defaults,
     prune,
     subdomain_errors,
@@ -117,6 +118,13 @@ def crd_errors(crd: dict[str, Any]) -> list[FieldError]:
     for error in errors:
         unique.setdefault(str(error), error)
     return list(unique.values())
+
+
+def check_crd(crd: dict[str, Any]) -> None:
+    """Raise `Invalid` with kubectl's message where the API server would refuse `crd`."""
+    errors = crd_errors(crd)
+    if errors:
+        raise Invalid("CustomResourceDefinition", crd.get("metadata", {}).get("name", ""), errors)
 
 
 def _names_errors(names: dict[str, Any]) -> list[FieldError]:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from modelfleet.operator import crd_checks, crdgen
+from modelfleet.operator import crd_checks, crdgen, schema_checks
 
 ISSUE_MESSAGE = (
     "spec.validation.openAPIV3Schema.properties[spec].properties[replicas].default: "
@@ -83,7 +83,12 @@ def test_the_crd_of_the_issue_is_refused_with_the_api_servers_message(crd_files)
     replicas = _props(crd)["spec"]["properties"]["replicas"]
     replicas["default"] = {}
     replicas["x-kubernetes-validations"] = [{"rule": "self.min <= self.max", "message": "min must be <= max"}]
-    assert [str(e) for e in crd_checks.crd_errors(crd)] == [ISSUE_MESSAGE]
+    with pytest.raises(schema_checks.Invalid) as caught:
+        crd_checks.check_crd(crd)
+    assert (
+        str(caught.value)
+        == f'The CustomResourceDefinition "inferencemodels.modelfleet.dev" is invalid: {ISSUE_MESSAGE}'
+    )
     problems = crd_checks.project_problems(crd)
     assert "spec.replicas: rule 'self.min <= self.max' reads optional self.min without has()" in problems
     assert any("default {} leaves out nested defaults" in p for p in problems)
