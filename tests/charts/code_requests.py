@@ -320,6 +320,8 @@ def kopf_needs(served: str | None, peering: str) -> list[Need]:
     ]
     stateful = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
     for handler in [*registry._watching.get_all_handlers(), *stateful]:
+        if not handler.fn.__module__.startswith("modelfleet.operator."):
+            continue  # registered by something else in this process, not by the operator
         selector = handler.selector
         plural = selector.plural or selector.any_name
         resource = f"{plural}.{selector.group}" if selector.group else plural
