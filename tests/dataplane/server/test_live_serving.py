@@ -11,6 +11,7 @@ from collections import Counter
 import httpx
 import openai
 import pytest
+from modelfleet.dataplane.server.router import sticky_choice
 from opentelemetry.trace import SpanKind
 
 from .conftest import manifest_yaml
@@ -127,9 +128,13 @@ def test_invalid_manifest_change_keeps_serving(fleet):
         path.write_text(original.replace("weight: 50", "weight: 70", 1))  # sums to 120
         time.sleep(0.4)
         assert metric_value(scrape(fleet), "modelfleet_manifest_reloads_total", result="invalid") >= 1
-        assert httpx.post(
-            f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}
+        served = httpx.post(
+            f"{fleet.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60
         )
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 1
+        # The last good split (50/50) still routes: the rejected 70/50 never replaced it.
+        assert fleet.dataplane.tables["tiny"].weights == (50, 50)
     finally:
         path.write_text(original)
         deadline = time.monotonic() + 10
@@ -254,6 +259,10 @@ def test_sticky_user_keeps_its_version(fleet):
         }
         assert len(versions) == 1, (user, versions)
         seen[user] = versions.pop()
+    # Each user lands where the router's rendezvous hash puts it, and the four spread over both versions.
+    table = fleet.dataplane.tables["tiny"]
+    assert seen == {user: sticky_choice(table, user) for user in seen}
+    assert set(seen.values()) == {"v1", "v2"}
 
 
 def test_shadow_copies_are_run_and_recorded_apart(fleet):

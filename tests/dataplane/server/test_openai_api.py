@@ -73,15 +73,23 @@ def test_n_logprobs_and_stop(client):
         model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True, top_logprobs=2
     )
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
-    # A stop string ends the text before it.
-    long = client.completions.create(model="tiny@v1", prompt="count", max_tokens=30, temperature=0)
-    stop = long.choices[0].text.strip()[3:6]
-    if stop:
-        cut = client.completions.create(
-            model="tiny@v1", prompt="count", max_tokens=30, temperature=0, stop=[stop]
-        )
-        assert stop not in cut.choices[0].text
-        assert cut.choices[0].finish_reason == "stop"
+    # A stop string ends the text just before its first occurrence.
+    long = client.completions.create(
+        model="tiny@v1", prompt="count", max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = long.choices[0].text
+    start = next(i for i in range(3, len(text) - 3) if text[i : i + 3].strip())
+    stop = text[start : start + 3]
+    cut = client.completions.create(
+        model="tiny@v1",
+        prompt="count",
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
 
 
 def test_models_list(client):
@@ -137,14 +145,21 @@ def test_websocket_streams_tokens(fleet):
     with connect(url) as socket:
         import json
 
-        socket.send(json.dumps({"model": "tiny@v2", "prompt": "hello", "max_tokens": 4}))
+        socket.send(json.dumps({"model": "tiny@v2", "prompt": "hello", "max_tokens": 4, "temperature": 0}))
         messages = []
         while not messages or messages[-1]["type"] not in ("done", "error"):
             messages.append(json.loads(socket.recv(timeout=30)))
         assert messages[0]["type"] == "start" and messages[0]["version"] == "v2"
         assert messages[-1]["type"] == "done" and messages[-1]["usage"]["completion_tokens"] >= 1
         text = "".join(m["choices"][0]["text"] for m in messages if m["type"] == "chunk")
-        assert isinstance(text, str)
+        # Greedy, so the streamed pieces join into exactly the text a plain request gets.
+        plain = httpx.post(
+            f"{fleet.url}/v1/completions",
+            json={"model": "tiny@v2", "prompt": "hello", "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        ).json()
+        assert text == plain["choices"][0]["text"]
+        assert messages[-1]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
         socket.send(json.dumps({"model": "nope", "prompt": "x"}))  # errors keep the socket open
         error = json.loads(socket.recv(timeout=30))
         assert error["type"] == "error" and error["error"]["code"] == "model_not_found"
