@@ -15,6 +15,11 @@ from .rbac import Authorizer, Request, service_account
 OPERATOR = service_account("modelfleet-system", "mf-modelfleet-operator")
 CONTROL_PLANE = service_account("modelfleet-system", "mf-modelfleet-controlplane")
 PEERING = "modelfleet-system-mf-modelfleet"
+GRANT = (
+    "the code makes these requests: grant them in charts/modelfleet/templates/*/rbac.yaml (a comment says "
+    "why) and add them to tests/charts/rbac_expectations.py"
+)
+UNUSED = "nothing calls these any more: drop them from the rbac.yaml and from rbac_expectations.py"
 
 
 def grants(role: dict[str, Any]) -> set[tuple[str, str]]:
@@ -65,7 +70,7 @@ def all_operator_needs(operator_calls: list[Need], served: str | None) -> list[N
 @pytest.mark.parametrize("served", SERVED.values(), ids=SERVED.keys())
 def test_operator_is_allowed_every_request_it_makes(charts, operator_calls, served) -> None:
     chart = Authorizer(charts[served])
-    assert refused(chart, OPERATOR, all_operator_needs(operator_calls, served)) == []
+    assert refused(chart, OPERATOR, all_operator_needs(operator_calls, served)) == [], GRANT
 
 
 @pytest.mark.parametrize("served", SERVED.values(), ids=SERVED.keys())
@@ -80,7 +85,7 @@ def test_operator_is_granted_nothing_it_does_not_use(charts, operator_calls, ser
     ]
     assert len(roles) == (1 if served is None else 2)
     used = {(verb, resource) for verb, resource, _, _ in all_operator_needs(operator_calls, served)}
-    assert set().union(*(grants(role) for role in roles)) - used == set()
+    assert set().union(*(grants(role) for role in roles)) - used == set(), UNUSED
     # The scenario reaches the rarer calls too (else the check above would prove little).
     assert {
         ("delete", "horizontalpodautoscalers.autoscaling"),
@@ -98,9 +103,9 @@ def test_control_plane_is_allowed_exactly_what_it_uses(default_chart) -> None:
         name for name, value in vars(Cluster).items() if callable(value) and not name.startswith("_")
     }
     assert interface - {"describe"} == called, "a Cluster method is not exercised in code_requests.py"
-    assert refused(Authorizer(default_chart), CONTROL_PLANE, needs) == []
+    assert refused(Authorizer(default_chart), CONTROL_PLANE, needs) == [], GRANT
     role = by_kind(default_chart, "ClusterRole")["modelfleet-system-mf-modelfleet-controlplane"]
-    assert grants(role) - {(verb, resource) for verb, resource, _, _ in needs} == set()
+    assert grants(role) - {(verb, resource) for verb, resource, _, _ in needs} == set(), UNUSED
     # Its Secret is the one it names: the grant is no wider than the code's one name.
     secrets = {name for verb, resource, _, name in needs if resource == "secrets"}
     assert secrets == {"modelfleet-api-keys"}
