@@ -20,7 +20,7 @@ from modelfleet.operator.settings import OperatorSettings
 from prometheus_client.parser import text_string_to_metric_families
 
 MAX_NUM_SEQS = 3
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048  # the tiny model's longest: streams that outlast the checks
 
 
 def objects(artifact: Path) -> tuple[dict, dict]:
@@ -131,9 +131,15 @@ def test_spec_engine_is_what_the_server_runs_admits_and_scales_on(
         for thread in streams:
             thread.start()
         wait_for(lambda: server.dataplane.admission.waiting == 2, "two requests waiting for admission")
-        text = httpx.get(f"{server.url}/metrics").text
         labels = {"model": "chat", "version": "v1"}
-        assert metric(text, "modelfleet_num_requests_running", **labels) == MAX_NUM_SEQS
+
+        def engine_running() -> float | None:
+            return metric(
+                httpx.get(f"{server.url}/metrics").text, "modelfleet_num_requests_running", **labels
+            )
+
+        wait_for(lambda: engine_running() == MAX_NUM_SEQS, "the admitted requests to reach the engine")
+        text = httpx.get(f"{server.url}/metrics").text
         assert server.dataplane.admission.running == MAX_NUM_SEQS
         assert metric(text, "modelfleet_num_requests_waiting", **labels) == 2
         assert metric(text, hpa_metric) == 2  # the autoscaler sees the queue the engine never sees
