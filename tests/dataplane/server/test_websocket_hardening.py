@@ -7,6 +7,8 @@ import json
 import logging
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 BAD_FRAMES = [
     (b"\x00\x01binary", "binary frames"),
@@ -56,3 +58,37 @@ def test_an_api_key_in_the_query_string_is_not_logged(fleet, server_log):
     assert accepted, server_log
     assert all("sk-free" not in line for line in server_log)
     assert "api_key=[redacted]" in accepted[0]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=12,
+)
+# Bodies shaped like requests, so that generation reaches past the first checks.
+REQUESTS = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", "tiny@v1", "nope", ""]), "max_tokens": st.integers(-2, 3)},
+    optional={"prompt": JSON, "messages": JSON, "stop": JSON, "seed": st.integers(), "top_k": st.integers()},
+)
+
+
+def test_fuzzed_frames_get_an_answer_and_never_close_the_socket(fleet):
+    from websockets.sync.client import connect
+
+    url = fleet.url.replace("http://", "ws://") + "/v1/stream"
+    with connect(url, max_size=None) as socket:
+
+        @settings(max_examples=150, deadline=None, derandomize=True, database=None)
+        @given(frame=st.one_of(REQUESTS.map(json.dumps), JSON.map(json.dumps), st.text(max_size=30)))
+        def one(frame: str) -> None:
+            socket.send(frame)
+            message = json.loads(socket.recv(timeout=30))
+            while message["type"] == "chunk" or message["type"] == "start":
+                message = json.loads(socket.recv(timeout=30))
+            assert message["type"] in ("done", "error"), message
+            if message["type"] == "error":
+                assert message["error"]["code"] != "internal_error", (frame, message)
+
+        one()
+        socket.send(json.dumps({"model": "tiny", "prompt": "still here", "max_tokens": 1}))
+        assert json.loads(socket.recv(timeout=30))["type"] == "start"
