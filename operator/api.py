@@ -141,7 +141,10 @@ class Engine(_Model):
     )
     max_num_seqs: int = Field(default=256, ge=1, le=4096, description="Sequences running at once.")
     kv_cache_memory_fraction: float = Field(
-        default=0.9, gt=0, le=1, description="Share of device memory for weights and KV cache."
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Share of the device memory left after the weights that the KV cache takes.",
     )
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
 
