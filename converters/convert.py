@@ -133,7 +133,7 @@ def _build(ckpt: Checkpoint, target: Target, staging: Path, onnx_cache: Path) ->
         from modelfleet.converters import tensorrt_engine
 
         tensorrt_engine.require_tensorrt()  # fail before the slow export
-        tensorrt_engine.build_engine(_fp32_onnx(ckpt, onnx_cache), staging, ckpt.config, target.dtype)
+        tensorrt_engine.build_engine(_fp32_onnx(ckpt, onnx_cache), staging, ckpt.model_config, target.dtype)
     elif target.dtype == "int8":
         onnx_export.quantize_onnx_int8(_fp32_onnx(ckpt, onnx_cache), staging)
     elif target.dtype == "fp32":

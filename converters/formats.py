@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 # Artifact formats: `torch` = Hugging Face safetensors (the engine's own loader), `onnx` = ONNX with
 # external data (onnxruntime), `tensorrt` = a serialized TensorRT engine built from the ONNX artifact.
+# Each has its data-plane loader (dataplane/server/loading.py, ARTIFACT_FORMATS; tests/seams checks):
+# a format is added here only with one.
 FORMATS = ("torch", "onnx", "tensorrt")
 DTYPES = ("fp32", "fp16", "bf16", "int8", "fp8")
 QUANTIZATIONS = ("none", "int8", "fp8")

@@ -14,6 +14,7 @@ from modelfleet.converters import progress
 from modelfleet.converters.errors import ConversionError, ToolMissingError
 from modelfleet.converters.onnx_export import MODEL_FILE, io_names
 from modelfleet.dataplane import tensorrt_engine as serving
+from modelfleet.dataplane.models.config import ModelConfig
 
 ENGINE_FILE = serving.ENGINE_FILE
 MAX_BATCH = 8
@@ -28,7 +29,7 @@ def require_tensorrt():
         raise ToolMissingError(str(exc)) from None
 
 
-def build_engine(onnx_dir: Path, dest: Path, config: dict, dtype: str) -> None:
+def build_engine(onnx_dir: Path, dest: Path, mc: ModelConfig, dtype: str) -> None:
     trt = require_tensorrt()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -42,10 +43,8 @@ def build_engine(onnx_dir: Path, dest: Path, config: dict, dtype: str) -> None:
         build_config.set_flag(trt.BuilderFlag.FP16)
     elif dtype == "bf16":
         build_config.set_flag(trt.BuilderFlag.BF16)
-    layers = config["num_hidden_layers"]
-    kv = config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    max_len = min(config.get("max_position_embeddings", 4096), 4096)
+    layers, kv, head_dim = mc.num_layers, mc.num_kv_heads, mc.head_dim
+    max_len = min(mc.max_position_embeddings, 4096)
     profile = builder.create_optimization_profile()
     inputs, _ = io_names(layers)
     for name in inputs:
