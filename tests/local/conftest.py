@@ -34,6 +34,10 @@ def fleet(pvc_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         running.apply(model_yaml())
 
         def ready() -> bool:
+            replicas = list(running.deployments.replicas.values())
+            manifests = [r.container.folder / "volumes" / "manifest" / "manifest.yaml" for r in replicas]
+            if not manifests or not all(m.is_file() and "cpu-onnx-int8" in m.read_text() for m in manifests):
+                return False  # the pods' files have not caught up with the int8 artifact yet
             im = model(running)
             return (
                 condition(im, "Ready")["status"] == "True"

@@ -71,5 +71,17 @@ def descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def alive(pids: set[int]) -> set[int]:
+    """The processes among `pids` still running (a zombie has exited)."""
+    found = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                found.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def load_yaml(path: Path) -> list[Any]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]

@@ -4,6 +4,7 @@ through the local endpoint. The tests share one fleet and run in file order; the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from local_fleet import MODEL, model, model_yaml, serving_pods, wait_for
+from local_fleet import MODEL, alive, descendants, model, model_yaml, serving_pods, version_doc, wait_for
 from modelfleet.operator.api import API_VERSION
 
 # p=0.7 over 160 requests: the 99.9% binomial interval is 112 +- 19 (normal approximation, z=3.29).
@@ -179,3 +180,92 @@ def test_a_server_killed_mid_stream_breaks_that_stream_and_is_restarted(fleet):
     )
     answers = [client(fleet).completions.create(model=MODEL, prompt="Again", max_tokens=2) for _ in range(4)]
     assert all(a.choices[0].text is not None for a in answers)
+
+
+# --- 4. canary rollouts, judged from the servers' own /metrics -------------------------------------------
+
+ROLLOUT = {"steps": [50, 100], "interval": "1s", "minRequests": 4, "thresholds": {"maxErrorRate": 0.2}}
+
+
+class Traffic:
+    """Requests to the model in the background, until stopped; failures are the servers' business."""
+
+    def __init__(self, fleet) -> None:
+        self.api = client(fleet)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            with contextlib.suppress(openai.APIError):
+                self.api.completions.create(model=MODEL, prompt="Once", max_tokens=1)
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=60)
+
+
+def rollout_end(fleet, candidate: str) -> str | None:
+    """The phase the rollout of `candidate` ended in, None while it runs."""
+    state = model(fleet).get("status", {}).get("rollout") or {}
+    ended = state.get("candidate") == candidate and state.get("phase") in ("Succeeded", "RolledBack")
+    return state["phase"] if ended else None
+
+
+def test_a_healthy_canary_completes(fleet):
+    fleet.apply(model_yaml(w1=100, w2=0, rollout={"candidate": "v2", **ROLLOUT}))
+    with Traffic(fleet):
+        phase = wait_for(lambda: rollout_end(fleet, "v2"), 90, "the rollout to end")
+    assert phase == "Succeeded", model(fleet)["status"]["rollout"]
+    assert model(fleet)["status"]["traffic"] == "v1=0,v2=100"
+    metrics = {m["version"]: m for m in model(fleet)["status"]["rollout"]["lastMetrics"]}
+    assert metrics["v2"]["requests"] >= 4 and metrics["v2"]["errors"] == 0  # read from the servers' /metrics
+    assert any(e["reason"] == "RolloutSucceeded" for e in fleet.events)
+
+
+def test_a_failing_canary_is_rolled_back(fleet, pvc_root: Path):
+    fleet.apply([version_doc("v3", "pvc://models/chat/v1")])
+    wait_for(lambda: _phase(fleet, "chat-v3") == "Ready", 120, "v3 to be converted")
+    # Break the published artifact before any server loads it (loading is lazy): every load fails.
+    weights = pvc_root / "modelfleet-models/artifacts/chat/v3/cpu-torch-bf16/model.safetensors"
+    weights.write_bytes(b"not a safetensors file")
+    im = model_yaml(w1=100, w2=0, rollout={"candidate": "v3", **ROLLOUT})[0]
+    im["spec"]["traffic"].append({"version": "v3", "weight": 0})
+    fleet.apply([im])
+    with Traffic(fleet):
+        phase = wait_for(lambda: rollout_end(fleet, "v3"), 90, "the rollout to end")
+    status = model(fleet)["status"]
+    assert phase == "RolledBack", status["rollout"]
+    assert status["traffic"] == "v1=100,v2=0,v3=0"
+    (event,) = [e for e in fleet.events if e["reason"] == "RolloutRolledBack"]
+    assert "maxErrorRate" in event["message"], event
+
+
+def _phase(fleet, name: str) -> str | None:
+    mv = fleet.kube.get(API_VERSION, "ModelVersion", "default", name)
+    return ((mv or {}).get("status") or {}).get("phase")
+
+
+# --- 6. deleting the model ---------------------------------------------------------------------------------
+
+
+def test_deleting_the_model_stops_every_process_and_its_staging_folders(fleet, pvc_root: Path):
+    fleet.apply([version_doc("v4", "pvc://models/chat/v2", quantization="int8")])
+    v4 = pvc_root / "modelfleet-models/artifacts/chat/v4"
+    wait_for(lambda: list(v4.glob(".*.tmp-*")), 120, "a conversion of v4 to be half-way")
+    started = alive(descendants())
+    assert len(started) >= 2  # the server and the conversions
+    endpoint = fleet.endpoint(MODEL)
+    docs = [*model_yaml(), version_doc("v3", ""), version_doc("v4", "")]
+    assert len(fleet.delete(docs)) == 5
+    wait_for(lambda: not alive(started), 60, "every process of the model to stop")
+    assert not alive(descendants())
+    assert not list(v4.glob(".*.tmp-*"))
+    wait_for(lambda: fleet.endpoint(MODEL) is None, 10, "the endpoint to close")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(endpoint.removesuffix("/v1") + "/health", timeout=5)
+    assert {o["kind"] for o in fleet.kube.all()} == set()
