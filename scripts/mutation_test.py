@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import dataclasses
 import io
 import os
 import shutil
@@ -92,6 +93,10 @@ MODULES: dict[str, Module] = {
         "controlplane/api/routes/audit.py",
         ("tests/controlplane/test_controlplane_authz.py",),
         pytest_args=("-m", "not postgres"),
+    ),
+    # The oracles of the GPU kernel tests, against independent implementations on the CPU.
+    "kernel_reference": Module(
+        "dataplane/kernels/reference.py", ("tests/dataplane/kernels/test_reference.py",)
     ),
     "rollout": Module("operator/reconcile/rollout.py", ("tests/operator/test_reconcile_rollout.py",)),
 }
@@ -520,6 +525,8 @@ def run_module(name: str, module: Module, dest: Path, env: dict[str, str], args)
             m.result = {"passed": "survived", "failed": "killed"}.get(status, status)
             mark = "SURVIVED" if m.result == "survived" else m.result
             print(f"   {mark:8} {m.seconds:5.1f}s  {m.describe()}", flush=True)
+            if m.index < 0 or args.verbose:
+                print("      " + "\n      ".join(m.tail))
     finally:
         target.write_text(original)
     return mutants
@@ -533,10 +540,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=int, default=60, help="per test (pytest-timeout), seconds")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
+    parser.add_argument(
+        "--tests", nargs="+", help="run these tests (paths or node ids) instead of the table's"
+    )
     parser.add_argument("--only", type=int, nargs="+", help="run these mutants (numbers from --list)")
     parser.add_argument(
         "--replace", nargs=2, metavar=("OLD", "NEW"), help="one mutant by hand: OLD (once in the file) -> NEW"
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help="show how each mutant's tests ended")
     parser.add_argument("--keep", action="store_true", help="keep the copy (its path is printed)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]
@@ -563,7 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         env = copy_env(dest)
         print(f"copy of HEAD in {dest}")
         for name in chosen:
-            results[name] = run_module(name, MODULES[name], dest, env, args)
+            module = MODULES[name]
+            if args.tests:
+                module = dataclasses.replace(module, tests=tuple(args.tests))
+            results[name] = run_module(name, module, dest, env, args)
     finally:
         if args.keep:
             print(f"kept {dest}")
