@@ -102,11 +102,15 @@ class Fleet:
 
     def apply(self, docs: Iterable[Any]) -> list[str]:
         """Admit every document first (nothing is stored when one is refused), then store them all."""
-        admitted = [admit(doc) for doc in docs]
+        admitted = []
+        for doc in docs:
+            meta = doc.get("metadata") if isinstance(doc, dict) else None
+            if isinstance(meta, dict):
+                meta.setdefault("namespace", "default")
+            stored = self.kube.get(*_ref(doc)) if isinstance(meta, dict) and "name" in meta else None
+            admitted.append((admit(doc, stored), stored))
         done = []
-        for obj in admitted:
-            obj["metadata"].setdefault("namespace", "default")
-            before = self.kube.get(*_ref(obj))
+        for obj, before in admitted:
             after = self.kube.apply(obj)
             verb = "created" if before is None else ("unchanged" if before == after else "configured")
             done.append(f"{_kind_name(obj['kind'], obj['metadata']['name'])} {verb}")
@@ -276,4 +280,5 @@ def _kind_name(kind: str, name: str) -> str:
 
 
 def _ref(obj: dict[str, Any]) -> tuple[str, str, str, str]:
-    return obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+    meta = obj["metadata"]
+    return obj.get("apiVersion", ""), obj.get("kind", ""), meta["namespace"], meta["name"]
