@@ -87,11 +87,9 @@ def run_up(args: argparse.Namespace) -> int:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
     fleet = Fleet(args.work_dir, pvc_root=args.pvc_root, port=args.port)
-    stopping = []
 
     def on_signal(signum: int, _: Any) -> None:
-        stopping.append(signum)
-        fleet._stop.set()
+        fleet.request_stop()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -102,7 +100,7 @@ def run_up(args: argparse.Namespace) -> int:
         stops = "Ctrl-C or `modelfleet local down` stops it"
         print(f"local fleet in {args.work_dir} (pid {os.getpid()}); {stops}", flush=True)
         announced: set[str] = set()
-        while not fleet._stop.is_set():
+        while not fleet.stopping:
             for key, proxy in list(fleet.proxies.items()):
                 if key[1] not in announced:
                     announced.add(key[1])
@@ -110,7 +108,7 @@ def run_up(args: argparse.Namespace) -> int:
                         f"model {key[1]}: {proxy.url}/v1 (OpenAI API; ready when `status` says so)",
                         flush=True,
                     )
-            fleet._stop.wait(0.5)
+            time.sleep(0.5)
     finally:
         print("stopping the local fleet ...", file=sys.stderr, flush=True)
         fleet.stop()

@@ -74,7 +74,7 @@ class DeploymentController:
     def _sync_deployment(self, deploy: dict[str, Any]) -> None:
         uid = deploy["metadata"]["uid"]
         wanted = template_hash(deploy["spec"]["template"])
-        desired = int(deploy["spec"].get("replicas", 1))
+        desired = self._desired(deploy)
         mine = [r for r in self.replicas.values() if r.deploy_uid == uid]
         current = [r for r in mine if r.template == wanted]
         for _ in range(desired - len(current)):
@@ -112,6 +112,14 @@ class DeploymentController:
         if desired - ready > 0:
             status["unavailableReplicas"] = desired - ready
         self.kube.put_status(deploy, status)
+
+    def _desired(self, deploy: dict[str, Any]) -> int:
+        """spec.replicas; with an HPA on the Deployment, its minReplicas (nothing scales on load here)."""
+        meta = deploy["metadata"]
+        for hpa in self.kube.list("autoscaling/v2", "HorizontalPodAutoscaler", meta["namespace"]):
+            if hpa["spec"].get("scaleTargetRef", {}).get("name") == meta["name"]:
+                return int(hpa["spec"].get("minReplicas", 1))
+        return int(deploy["spec"].get("replicas", 1))
 
     def _create(self, deploy: dict[str, Any], template: str) -> Replica:
         meta = deploy["metadata"]

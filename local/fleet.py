@@ -94,9 +94,13 @@ class Fleet:
             self._threads[0].join(timeout=10)
         state.release(self.work_dir)
 
-    def wait(self) -> None:
-        while not self._stop.is_set():
-            self._stop.wait(0.5)
+    def request_stop(self) -> None:
+        """Ask the fleet to stop (safe from a signal handler); `stop` does the stopping."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     # --- what users do ---------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ STATE = "state.json"
 INBOX = "inbox"
 
 
-class NotRunning(RuntimeError):
+class NotRunning(ValueError):
     """No fleet runs in this work dir."""
 
 

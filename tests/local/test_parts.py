@@ -1,0 +1,251 @@
+"""The pieces of the local fleet on their own: the API store's semantics the operator relies on, the
+printer columns' JSONPaths, mount-path mapping, and the Service proxy's spreading and streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from local_fleet import wait_for
+from modelfleet.local.columns import evaluate, table
+from modelfleet.local.jobs import JobController
+from modelfleet.local.mounts import Mounts
+from modelfleet.local.proxy import ServiceProxy
+from modelfleet.local.store import LocalKube
+from modelfleet.operator.api import API_VERSION
+from modelfleet.operator.kube import KubeError
+
+
+def config_map(data: dict, owner: dict | None = None) -> dict:
+    meta: dict = {"name": "cm", "namespace": "default"}
+    if owner:
+        meta["ownerReferences"] = [{"uid": owner["metadata"]["uid"], "kind": owner["kind"], "name": "x"}]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def test_apply_sets_server_fields_and_bumps_generation_only_for_spec_changes():
+    kube = LocalKube()
+    created = kube.apply(config_map({"a": "1"}))
+    meta = created["metadata"]
+    assert meta["uid"] and meta["generation"] == 1 and meta["creationTimestamp"] and meta["resourceVersion"]
+    assert kube.apply(config_map({"a": "1"})) == created  # a no-op apply writes nothing
+    kube.patch_status("v1", "ConfigMap", "default", "cm", {"seen": True})
+    after_status = kube.get("v1", "ConfigMap", "default", "cm")
+    assert after_status["metadata"]["generation"] == 1
+    assert after_status["metadata"]["resourceVersion"] != meta["resourceVersion"]
+    changed = kube.apply(config_map({"a": "2"}))
+    assert changed["metadata"]["generation"] == 2 and changed["metadata"]["uid"] == meta["uid"]
+    assert changed["status"] == {"seen": True}  # apply never touches the status subresource
+
+
+def test_patch_status_merges_and_compares_resource_versions():
+    kube = LocalKube()
+    obj = kube.apply(config_map({}))
+    kube.patch_status("v1", "ConfigMap", "default", "cm", {"a": 1, "b": {"c": 2}})
+    kube.patch_status("v1", "ConfigMap", "default", "cm", {"a": None, "b": {"d": 3}})
+    assert kube.get("v1", "ConfigMap", "default", "cm")["status"] == {"b": {"c": 2, "d": 3}}
+    with pytest.raises(KubeError) as conflict:
+        kube.patch_status(
+            "v1", "ConfigMap", "default", "cm", {"x": 1}, resource_version=obj["metadata"]["resourceVersion"]
+        )
+    assert conflict.value.status == 409
+    with pytest.raises(KubeError) as missing:
+        kube.patch_status("v1", "ConfigMap", "default", "gone", {"x": 1})
+    assert missing.value.status == 404
+
+
+def test_delete_collects_what_the_object_owns():
+    kube = LocalKube()
+    owner = kube.apply(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "d", "namespace": "default"},
+            "spec": {},
+        }
+    )
+    assert owner["spec"]["replicas"] == 1  # the API server's default
+    kube.apply(config_map({}, owner))
+    assert kube.delete("apps/v1", "Deployment", "default", "d")
+    assert kube.all() == [] and not kube.delete("apps/v1", "Deployment", "default", "d")
+
+
+def test_list_filters_by_labels():
+    kube = LocalKube()
+    for name, labels in (("a", {"x": "1"}), ("b", {"x": "2"})):
+        kube.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": "default", "labels": labels},
+            }
+        )
+    assert [p["metadata"]["name"] for p in kube.list("v1", "Pod", "default", {"x": "2"})] == ["b"]
+
+
+def test_printer_columns_evaluate_the_crds_json_paths():
+    im = {
+        "kind": "InferenceModel",
+        "metadata": {"name": "chat", "creationTimestamp": "2020-01-01T00:00:00Z"},
+        "spec": {"hardware": {"accelerator": "cpu"}},
+        "status": {
+            "traffic": "v1=100",
+            "conditions": [{"type": "Progressing", "status": "False"}, {"type": "Ready", "status": "True"}],
+        },
+    }
+    assert evaluate('.status.conditions[?(@.type=="Ready")].status', im) == ["True"]
+    assert evaluate(".status.conditions[1].type", im) == ["Ready"]
+    assert evaluate(".spec.missing.field", im) == []
+    lines = table("InferenceModel", [im], wide=True).splitlines()
+    assert lines[0].split() == ["NAME", "ACCELERATOR", "TRAFFIC", "READY", "ENDPOINT", "ROLLOUT", "AGE"]
+    row = lines[1].split()
+    assert row[:6] == ["inferencemodel.modelfleet.dev/chat", "cpu", "v1=100", "True", "<none>", "<none>"]
+    assert row[6].endswith("d")  # years old, in days
+    assert "ROLLOUT" not in table("InferenceModel", [im])  # a priority-1 column is for -o wide only
+    assert API_VERSION.startswith("modelfleet.dev/")
+
+
+def test_mount_paths_map_to_local_folders_longest_first(tmp_path: Path):
+    mounts = Mounts(
+        {"/mnt/pvc": tmp_path / "pvc", "/mnt/pvc/models": tmp_path / "store", "/tmp": tmp_path / "t"}
+    )
+    assert mounts.path("/mnt/pvc/models/artifacts/x") == f"{tmp_path}/store/artifacts/x"
+    assert mounts.path("/mnt/pvc/other/y") == f"{tmp_path}/pvc/other/y"
+    assert mounts.path("/tmpfoo") == "/tmpfoo" and mounts.path("--port") == "--port"
+    assert mounts.deep({"a": ["/tmp/hf", 3]}) == {"a": [f"{tmp_path}/t/hf", 3]}
+
+
+class Backend:
+    """A replica stand-in: answers its own name, or streams ten numbered lines."""
+
+    def __init__(self, name: str) -> None:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def complete() -> dict:
+            return {"replica": name}
+
+        @app.get("/stream")
+        async def stream() -> StreamingResponse:
+            async def lines():
+                for i in range(10):
+                    yield f"{i}\n"
+                    await asyncio.sleep(0.01)
+
+            return StreamingResponse(lines(), media_type="text/plain")
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> tuple[str, int]:
+        self.thread.start()
+        while not self.server.started:
+            threading.Event().wait(0.01)
+        return "127.0.0.1", self.server.servers[0].sockets[0].getsockname()[1]
+
+    def __exit__(self, *_) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_the_service_proxy_spreads_requests_over_ready_replicas_and_streams():
+    with Backend("a") as a, Backend("b") as b:
+        ready = [a, b]
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        proxy = ServiceProxy("chat", lambda: list(ready))
+        asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(timeout=10)
+        try:
+            answers = Counter(
+                httpx.post(f"{proxy.url}/v1/completions", json={}).json()["replica"] for _ in range(10)
+            )
+            assert answers == {"a": 5, "b": 5}
+            with httpx.stream("GET", f"{proxy.url}/stream") as response:
+                assert response.headers["connection"] == "close"
+                assert list(response.iter_lines()) == [str(i) for i in range(10)]
+            ready.clear()
+            refused = httpx.post(f"{proxy.url}/v1/completions", json={})
+            assert refused.status_code == 503 and "no ready replica" in refused.json()["error"]["message"]
+        finally:
+            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(timeout=10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+
+
+def job(command: str, backoff_limit: int = 0) -> dict:
+    """A Job shaped like the operator's conversion Jobs, running a Python snippet."""
+    container = {
+        "name": "convert",
+        "command": [sys.executable, "-c", command],
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "j", "namespace": "default"},
+        "spec": {
+            "backoffLimit": backoff_limit,
+            "podFailurePolicy": {
+                "rules": [{"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}}]
+            },
+            "template": {"spec": {"containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}]}},
+        },
+    }
+
+
+def run_job(tmp_path: Path, obj: dict) -> tuple[dict, list[dict]]:
+    kube = LocalKube()
+    kube.apply(obj)
+    jobs = JobController(kube, tmp_path, tmp_path / "pvc")
+
+    def finished():
+        jobs.sync()
+        found = kube.get("batch/v1", "Job", "default", "j")
+        return (
+            found
+            if any(c["type"] in ("Complete", "Failed") for c in found.get("status", {}).get("conditions", []))
+            else None
+        )
+
+    found = wait_for(finished, 30, "the Job to finish", interval=0.05)
+    return found, kube.list("v1", "Pod", "default", {"job-name": "j"})
+
+
+def test_a_job_reports_its_termination_message_as_the_kubelet_does(tmp_path: Path):
+    # The converter gets the path as an argument (--termination-log), which the local kubelet maps.
+    program = (
+        'import sys; open(sys.argv[1], \'w\').write(\'{"ok": false, "reason": "bad input"}\'); sys.exit(2)'
+    )
+    obj = job(program)
+    obj["spec"]["template"]["spec"]["containers"][0]["args"] = ["/dev/termination-log"]
+    found, pods = run_job(tmp_path, obj)
+    (failed,) = [c for c in found["status"]["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == "PodFailurePolicy" and "exit code 2" in failed["message"]
+    (pod,) = pods
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 2 and terminated["message"] == '{"ok": false, "reason": "bad input"}'
+
+
+def test_a_failing_job_is_retried_up_to_its_backoff_limit_and_falls_back_to_its_log(tmp_path: Path):
+    found, pods = run_job(
+        tmp_path, job("print('boom: the tail of the log'); raise SystemExit(1)", backoff_limit=1)
+    )
+    (failed,) = [c for c in found["status"]["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == "BackoffLimitExceeded" and found["status"]["failed"] == 2
+    assert len(pods) == 2
+    for pod in pods:
+        assert (
+            "boom: the tail of the log"
+            in pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
+        )
