@@ -5,15 +5,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HELM := .modelfleet/tools/bin/helm
 DEMO_DIR ?= .modelfleet/demo
+# The one torch pin (the CPU wheel on local disk): pyproject.toml only asks for torch>=2.6, so that
+# installing modelfleet next to a CUDA build keeps it; docker/*.Dockerfile pin the same version.
+TORCH_VERSION := 2.13.0
 
 .PHONY: setup run test lint crds clean
 
 setup: $(STAMP) $(HELM)
 
-# torch first, pinned: the CPU wheel on local disk. Anything unpinned would pull the CUDA build.
+# torch first, pinned: anything unpinned would pull the CUDA build. Then the project with every extra.
 $(STAMP): pyproject.toml setup.py
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""The control plane's app factory and its command, `modelfleet controlplane`."""
+"""The control plane's app factory and what `modelfleet controlplane` runs (its parser: cli.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -145,23 +144,3 @@ def serve(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False)
     return 0
-
-
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "controlplane",
-        help="run the control plane: tenants, API keys, model registry, rollouts",
-        description="Serve the control plane's REST API (/api/v1, OpenAPI at /docs). Settings come from "
-        "MODELFLEET_* variables (MODELFLEET_DATABASE_URL or DATABASE_URL, MODELFLEET_ADMIN_KEY, ...).",
-    )
-    parser.add_argument(
-        "--host", default=None, help="address to listen on (default: MODELFLEET_HOST or 127.0.0.1)"
-    )
-    parser.add_argument("--port", type=int, default=None, help="port (default: MODELFLEET_PORT or 8080)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument(
-        "--migrate-only",
-        action="store_true",
-        help="bring the database schema to head (alembic upgrade head) and exit",
-    )
-    parser.set_defaults(func=serve)

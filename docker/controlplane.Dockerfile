@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # The operator (`modelfleet operator`) and the control plane (`modelfleet controlplane`): one image, two
-# Deployments of the Helm chart. No GPU here: torch (a dependency of the package) is the CPU build.
+# Deployments of the Helm chart, so it installs both extras. No GPU here: torch (a dependency of the
+# base package) is the CPU build.
 #
 #   docker build -f docker/controlplane.Dockerfile -t ghcr.io/modelfleet/controlplane:0.1.0 .
 #
@@ -8,7 +9,7 @@
 ARG PYTHON_BASE_IMAGE=python:3.12.8-slim-bookworm
 
 FROM ${PYTHON_BASE_IMAGE} AS build
-# The same pin as pyproject.toml: never an unpinned torch.
+# The Makefile's pin (TORCH_VERSION): never an unpinned torch.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 \
@@ -23,8 +24,9 @@ COPY dataplane/ dataplane/
 COPY converters/ converters/
 COPY operator/ operator/
 COPY controlplane/ controlplane/
-# The project without its dev extras; torch is already satisfied at the pinned version.
-RUN pip install --no-cache-dir --no-compile . \
+COPY local/ local/
+# The operator's and the control plane's extras, not the dev one; torch>=2.6 is met by the build above.
+RUN pip install --no-cache-dir --no-compile "./[operator,controlplane]" \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
 
 FROM ${PYTHON_BASE_IMAGE} AS runtime

@@ -12,7 +12,7 @@
 ARG CUDA_BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 FROM ${CUDA_BASE_IMAGE} AS build
-# The same pin as pyproject.toml: never an unpinned torch.
+# The Makefile's pin (TORCH_VERSION): never an unpinned torch.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -33,7 +33,9 @@ COPY dataplane/ dataplane/
 COPY converters/ converters/
 COPY operator/ operator/
 COPY controlplane/ controlplane/
-# The project without its dev extras; torch is already satisfied at the pinned version.
+COPY local/ local/
+# The base package alone: no extra, so neither the operator's libraries (kopf, kubernetes) nor the
+# control plane's (SQLAlchemy, Alembic, psycopg). torch>=2.6 is met by the build above, which stays.
 RUN pip install --no-cache-dir --no-compile . \
     && python -c "import torch; assert torch.__version__.split('+')[0] == '${TORCH_VERSION}', torch.__version__"
 

@@ -277,14 +277,3 @@ def _run(args: argparse.Namespace) -> int:
     for path in write_crds(out_dir):
         print(f"wrote {path}")
     return 0
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "crds", help="write the CustomResourceDefinitions generated from the API models"
-    )
-    parser.add_argument("--out", default="crds", help="directory for the CRD files (default: crds)")
-    parser.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 when the files in --out are stale"
-    )
-    parser.set_defaults(func=_run)

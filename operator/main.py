@@ -64,23 +64,3 @@ def _run(args: argparse.Namespace) -> int:
         memo=kopf.Memo(namespaces=namespaces),  # the peering pre-flight names the objects it looks for
     )
     return 0
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "operator", help="run the Kubernetes operator (InferenceModel and ModelVersion controllers)"
-    )
-    scope = parser.add_mutually_exclusive_group()
-    scope.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        metavar="NS",
-        help="serve this namespace (repeatable); default: MODELFLEET_OPERATOR_NAMESPACES, else all",
-    )
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
-    parser.add_argument("--peering", help="kopf peering name (default: MODELFLEET_OPERATOR_PEERING)")
-    parser.add_argument(
-        "--standalone", action="store_true", help="run without peering (one replica only; development)"
-    )
-    parser.set_defaults(func=_run)

@@ -7,8 +7,10 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,11 +51,13 @@ def _engine_settings(pairs: list[str]) -> dict:
 
 
 def handle(args: argparse.Namespace) -> int:
+    # The server's libraries only when it runs: building the `modelfleet` parser stays cheap.
     import uvicorn
     from modelfleet.dataplane.manifest import ManifestError, ServedModel, load_manifest, single_model_manifest
     from modelfleet.dataplane.server.auth import KeyFileError
     from modelfleet.dataplane.server.runtime import build_app
     from modelfleet.dataplane.server.settings import ServerSettings
+    from pydantic import ValidationError
 
     log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level.upper(), format=log_format)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from modelfleet.cli.commands import SUBCOMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -22,6 +23,11 @@ DOCKERFILES = {
     "controlplane": DOCKER / "controlplane.Dockerfile",
 }
 CHART_VALUES = yaml.safe_load((ROOT / "charts" / "modelfleet" / "values.yaml").read_text())
+# The subcommands each image runs: the operator starts the data-plane image for serving Deployments and
+# conversion Jobs; the chart runs the operator and the control plane from the other one.
+IMAGE_COMMANDS = {"dataplane": ("serve", "convert"), "controlplane": ("operator", "controlplane")}
+# The folders setup.py maps onto the package (PARTS): each must be in the build context.
+PARTS = re.findall(r'"modelfleet\.\w+": "(\w+)"', (ROOT / "setup.py").read_text())
 
 
 def hadolint() -> str:
@@ -132,7 +138,7 @@ def test_dataplane_base_image_is_a_build_argument() -> None:
 
 @pytest.mark.parametrize("image", DOCKERFILES)
 def test_torch_is_pinned_like_the_project(image: str) -> None:
-    pin = re.search(r'"torch==([\w.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    pin = re.search(r"^TORCH_VERSION := ([\w.]+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert arg_defaults(DOCKERFILES[image])["TORCH_VERSION"] == pin
     installs = [
         command.split()
@@ -143,6 +149,37 @@ def test_torch_is_pinned_like_the_project(image: str) -> None:
     ]
     torch_args = [arg.strip('"') for args in installs for arg in args if arg.strip('"').startswith("torch")]
     assert torch_args == ["torch==${TORCH_VERSION}"], f"torch installed as {torch_args}: only the pinned one"
+
+
+def project_installs(path: Path) -> list[str]:
+    """The arguments of every `pip install` in `path` that installs the project: `.` or `./[extras]`
+    (hadolint takes `./` for a local path, not `.[extras]`)."""
+    return [
+        arg.strip('"')
+        for keyword, rest in instructions(path)
+        if keyword == "RUN"
+        for command in rest.split("&&")
+        if "pip install" in command
+        for arg in command.split()
+        if re.fullmatch(r"\./?(\[[\w,-]+\])?", arg.strip('"'))
+    ]
+
+
+def extras_of(install: str) -> set[str]:
+    return set(filter(None, install.lstrip("./").strip("[]").split(",")))
+
+
+@pytest.mark.parametrize("image", DOCKERFILES)
+def test_each_image_installs_the_extras_of_its_commands_and_no_other(image: str) -> None:
+    (install,) = project_installs(DOCKERFILES[image])
+    installed = extras_of(install)
+    needed = {extra for command in IMAGE_COMMANDS[image] for extra in SUBCOMMANDS[command].extras}
+    assert installed == needed, f"{image} image installs {install!r}; its commands need {sorted(needed)}"
+
+
+def test_the_data_plane_image_installs_the_base_package_alone() -> None:
+    # kopf, kubernetes, SQLAlchemy, Alembic and psycopg stay out of the image the GPU pods run.
+    assert project_installs(DOCKERFILES["dataplane"]) == ["."]
 
 
 @pytest.mark.parametrize("image", DOCKERFILES)
@@ -207,6 +244,9 @@ def test_the_build_context_makes_a_complete_package(tmp_path: Path) -> None:
         if keyword == "COPY" and not rest.startswith("--from")
         for source in rest.split()[:-1]
     ], "both images install the same package: copy the same sources"
+    assert {"cli", "dataplane", "converters", "operator", "controlplane"} <= set(PARTS), PARTS
+    missing = [folder for folder in PARTS if f"{folder}/" not in copied]
+    assert not missing, f"setup.py packages {missing}: COPY them, or the images' pip install fails"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     context.mkdir()
     for source in copied:
@@ -239,7 +279,12 @@ def test_the_build_context_makes_a_complete_package(tmp_path: Path) -> None:
         names = set(archive.namelist())
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "modelfleet = modelfleet.cli.commands:main" in archive.read(entry_points).decode()
-    for folder in ("cli", "dataplane", "converters", "operator", "controlplane"):
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    provided = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.M))
+    for image in DOCKERFILES:
+        (install,) = project_installs(DOCKERFILES[image])
+        assert extras_of(install) <= provided, install
+    for folder in PARTS:
         for path in (ROOT / folder).rglob("*"):
             if "__pycache__" in path.parts or not path.is_file():
                 continue

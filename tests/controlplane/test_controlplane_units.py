@@ -17,11 +17,12 @@ from fastapi.testclient import TestClient
 from kubernetes.client.exceptions import ApiException
 from modelfleet.controlplane import cluster as cluster_module
 from modelfleet.controlplane import resources
+from modelfleet.controlplane.cli import add_parser
 from modelfleet.controlplane.cluster import DynamicStore, KubernetesCluster, NoCluster
 from modelfleet.controlplane.core import db, security
 from modelfleet.controlplane.core.config import DEV_ADMIN_KEY, Settings
 from modelfleet.controlplane.errors import ClusterConflict, ClusterUnavailable
-from modelfleet.controlplane.main import add_parser, create_app
+from modelfleet.controlplane.main import create_app
 from modelfleet.controlplane.models import Base, Model, ModelVersion, Tenant
 from modelfleet.controlplane.resources import FIELD_MANAGER
 from modelfleet.operator.validation import validate_inference_model, validate_model_version
@@ -192,7 +193,7 @@ def test_registry_only_mode_says_so_at_start_up(tmp_path, caplog):
 
 
 def run_command(*argv: str) -> int:
-    """`modelfleet controlplane ...` in this process (the full CLI would import every component)."""
+    """`modelfleet controlplane ...` in this process."""
     parser = argparse.ArgumentParser(prog="modelfleet")
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["controlplane", *argv])

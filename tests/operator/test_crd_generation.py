@@ -6,7 +6,7 @@ import argparse
 
 import kubernetes_validate
 import pytest
-from modelfleet.operator import api, crd_checks, crdgen, schema_checks
+from modelfleet.operator import api, cli, crd_checks, crdgen, schema_checks
 
 
 def test_checked_in_crds_match_the_models(repo_root):
@@ -16,7 +16,7 @@ def test_checked_in_crds_match_the_models(repo_root):
 
 def run_crds(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="modelfleet")
-    crdgen.add_parser(parser.add_subparsers())
+    cli.add_crds_parser(parser.add_subparsers())
     args = parser.parse_args(["crds", *argv])
     return args.func(args)
 

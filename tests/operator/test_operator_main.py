@@ -6,24 +6,26 @@ import argparse
 
 import pytest
 from modelfleet.cli.commands import SUBCOMMANDS
-from modelfleet.operator import main
+from modelfleet.operator import cli
 from modelfleet.operator.observability import REGISTRY, observed_reconcile
 from modelfleet.operator.settings import OperatorSettings
 
 
 def test_operator_subcommand_parses_its_options():
     parser = argparse.ArgumentParser(prog="modelfleet")
-    main.add_parser(parser.add_subparsers())
+    cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["operator", "-n", "team-a", "--namespace", "team-b", "--standalone"])
     assert (args.namespace, args.standalone, args.all_namespaces) == (["team-a", "team-b"], True, False)
-    assert args.func is main._run
+    assert args.func is cli.run_operator
     with pytest.raises(SystemExit):
         parser.parse_args(["operator", "-n", "team-a", "--all-namespaces"])  # one or the other
 
 
 def test_operator_is_registered_in_the_cli():
-    assert SUBCOMMANDS["operator"] == "modelfleet.operator.main"
-    assert SUBCOMMANDS["crds"] == "modelfleet.operator.crdgen"
+    assert SUBCOMMANDS["operator"].module == "modelfleet.operator.cli"
+    assert SUBCOMMANDS["operator"].extras == ("operator",)
+    assert SUBCOMMANDS["crds"].module == "modelfleet.operator.cli"
+    assert SUBCOMMANDS["crds"].function == "add_crds_parser"
 
 
 def test_settings_read_the_chart_environment(monkeypatch):
@@ -100,7 +102,7 @@ def test_a_bad_environment_variable_is_one_line_and_exit_2(monkeypatch, capsys):
     get_settings.cache_clear()
     try:
         parser = argparse.ArgumentParser(prog="modelfleet")
-        main.add_parser(parser.add_subparsers())
+        cli.add_parser(parser.add_subparsers())
         args = parser.parse_args(["operator", "--standalone"])
         assert args.func(args) == 2
     finally:
