@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,8 @@ def run_up(args: argparse.Namespace) -> int:
         return _hand_over(args.work_dir, "apply", docs)
     from modelfleet.local.fleet import Fleet
 
+    _check_port(args.port)
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -113,6 +116,19 @@ def run_up(args: argparse.Namespace) -> int:
         print("stopping the local fleet ...", file=sys.stderr, flush=True)
         fleet.stop()
     return 1 if fleet.error else 0
+
+
+def _check_port(port: int) -> None:
+    """The endpoint's port must be free before anything starts."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ValueError(
+                f"--port {port}: 127.0.0.1:{port} is taken ({exc.strerror}); pick another"
+            ) from None
 
 
 def _hand_over(work_dir: Path, op: str, docs: list[Any]) -> int:

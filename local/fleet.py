@@ -35,6 +35,10 @@ RESYNC_SECONDS = 1.0  # every model is reconciled at least this often (60 s in a
 MAX_EVENTS = 500
 
 
+class FleetError(RuntimeError):
+    """The fleet cannot go on (e.g. its endpoint's port is taken); it stops, and says why."""
+
+
 class Fleet:
     def __init__(
         self,
@@ -145,6 +149,11 @@ class Fleet:
         while not self._stop.is_set():
             try:
                 self._step()
+            except FleetError as exc:
+                log.error("%s", exc)
+                self.error = exc
+                self._stop.set()
+                return
             except Exception as exc:  # a bug must not leave processes running unattended
                 log.exception("the local fleet's control loop failed")
                 self.error = exc
@@ -223,7 +232,12 @@ class Fleet:
             proxy = ServiceProxy(
                 key[1], lambda ns=key[0], sel=selector: self._ready_endpoints(ns, sel), port=port
             )
-            asyncio.run_coroutine_threadsafe(proxy.start(), self._loop).result(timeout=10)
+            try:
+                asyncio.run_coroutine_threadsafe(proxy.start(), self._loop).result(timeout=10)
+            except OSError as exc:
+                raise FleetError(
+                    f"service {key[1]}: cannot listen on 127.0.0.1:{port} ({exc}); use --port"
+                ) from None
             self.proxies[key] = proxy
             log.info("service %s/%s: %s", *key, proxy.url)
 
