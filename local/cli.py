@@ -56,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     status.add_argument("-o", "--output", choices=["wide"], help="wide: every printer column")
+    status.add_argument(
+        "--events", action="store_true", help="also the latest Events, like kubectl get events"
+    )
     up.set_defaults(func=run_up)
     apply.set_defaults(func=run_apply)
     delete.set_defaults(func=run_delete)
@@ -170,7 +173,7 @@ def run_delete(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from modelfleet.local import state
-    from modelfleet.local.columns import table
+    from modelfleet.local.columns import events_table, table
 
     found = state.read(args.work_dir)
     if not found or state.running_pid(args.work_dir) is None:
@@ -181,6 +184,8 @@ def run_status(args: argparse.Namespace) -> int:
     print("\n\n".join(t for t in tables if t) or "no resources")
     for name, url in sorted(found.get("endpoints", {}).items()):
         print(f"\nendpoint {name}: {url}")
+    if args.events:
+        print("\n" + (events_table(found.get("events", [])) or "no events"))
     return 0
 
 

@@ -67,9 +67,21 @@ def table(kind: str, objects: list[dict[str, Any]], wide: bool = False) -> str:
     for obj in objects:
         if obj.get("kind") == kind:
             rows.append([prefix + obj["metadata"]["name"], *(cell(c, obj) for c in columns)])
-    if len(rows) == 1:
-        return ""
+    return _render(rows) if len(rows) > 1 else ""
+
+
+def _render(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "   ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows
     )
+
+
+def events_table(events: list[dict[str, Any]]) -> str:
+    """Events as `kubectl get events` lists them, oldest first."""
+    rows = [["LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]]
+    for e in events:
+        rows.append(
+            [age(e.get("time")), e["type"], e["reason"], f"{e['kind'].lower()}/{e['name']}", e["message"]]
+        )
+    return _render(rows) if len(rows) > 1 else ""

@@ -78,7 +78,7 @@ def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
             return state if phases.get("chat-v1") == "Failed" and served else None
 
         state = wait_for(failed_and_serving, 120, "the conversion to fail and a server to run")
-        status = local("status", "--work-dir", str(work))
+        status = local("status", "--work-dir", str(work), "--events")
         assert status.returncode == 0, status.stderr
         lines = status.stdout.splitlines()
         assert lines[0].split() == ["NAME", "ACCELERATOR", "TRAFFIC", "READY", "ENDPOINT", "AGE"]
@@ -86,6 +86,11 @@ def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
         (version,) = [line.split() for line in lines if line.startswith("modelversion.")]
         assert version[:4] == ["modelversion.modelfleet.dev/chat-v1", "chat", "v1", "Failed"]
         assert f"endpoint default/chat: {state['endpoints']['default/chat']}" in status.stdout
+        events = status.stdout[status.stdout.index("LAST SEEN") :].splitlines()
+        assert events[0].split() == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]
+        assert any(
+            e.split()[1:4] == ["Normal", "ConversionStarted", "modelversion/chat-v1"] for e in events[1:]
+        )
 
         started = {up.pid, *(p.pid for p in psutil.Process(up.pid).children(recursive=True))}
         assert len(alive(started)) >= 2  # the supervisor and its server
