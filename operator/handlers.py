@@ -1,8 +1,11 @@
 """kopf handlers: thin triggers that call the reconcile loops of `sync.py`.
 
 Every trigger (the resource's own changes, a periodic resync, events of the Jobs and Deployments it owns)
-runs the same convergent reconcile of the InferenceModel concerned, one at a time per model. Errors map
-to kopf's: a transient API failure is a TemporaryError (retried after a delay), a spec the operator can
+runs the same convergent reconcile of the InferenceModel concerned, one at a time per model. Triggers that
+cannot tell a reconcile anything new are dropped (`triggers.py`): events of the operator's own writes,
+objects replayed unchanged when kopf lists again, triggers a later reconcile already covered, and a resync
+of a model reconciled recently. Errors map to kopf's: a transient API failure is a TemporaryError (retried
+after a delay; for watch events, which kopf never retries, by a timer here), a spec the operator can
 never use is a PermanentError (the status already says why; no retries).
 """
 
@@ -11,8 +14,8 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,9 +23,10 @@ import kopf
 from modelfleet.operator import sync
 from modelfleet.operator.api import GROUP, VERSION
 from modelfleet.operator.kube import Kube, KubeError
-from modelfleet.operator.observability import observed_reconcile
+from modelfleet.operator.observability import SKIPPED, observed_reconcile
 from modelfleet.operator.reconcile import names
 from modelfleet.operator.settings import get_settings
+from modelfleet.operator.triggers import Triggers
 from modelfleet.operator.validation import InvalidResource
 
 INFERENCE_MODELS = (GROUP, VERSION, "inferencemodels")
@@ -30,20 +34,13 @@ MODEL_VERSIONS = (GROUP, VERSION, "modelversions")
 MANAGED = {names.LABEL_MANAGED_BY: names.FIELD_MANAGER}
 ANNOTATION_PREFIX = "modelfleet.dev"
 RETRY_SECONDS = 10
+RETRY_ATTEMPTS = 6
 RESYNC_SECONDS = get_settings().resync_seconds
+RESYNC_SKIP_SECONDS = RESYNC_SECONDS / 2  # a resync finds nothing to do this soon after a reconcile
 ROLLOUT_TICK_SECONDS = get_settings().rollout_tick_seconds
 
-_locks: dict[tuple[str, str], threading.Lock] = {}
-_locks_guard = threading.Lock()
-
-
-@contextmanager
-def _one_at_a_time(namespace: str, model: str) -> Iterator[None]:
-    """Triggers of one model arrive from several watch streams at once; reconcile them in turn."""
-    with _locks_guard:
-        lock = _locks.setdefault((namespace, model), threading.Lock())
-    with lock:
-        yield
+TRIGGERS = Triggers()
+log = logging.getLogger(__name__)
 
 
 def make_context(kube: Kube | None = None) -> sync.Context:
@@ -55,32 +52,104 @@ def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> No
     kopf.event(obj, type=type_, reason=reason, message=message[:1024])
 
 
-def _context(memo: Any, logger: Any) -> sync.Context:
+def _context(memo: Any, logger: Any, versions_by_model: Any = None) -> sync.Context:
     ctx = getattr(memo, "ctx", None)
     if ctx is None:
         ctx = memo.ctx = make_context()
-    return replace(ctx, logger=logger)
+    if versions_by_model is None:
+        return replace(ctx, logger=logger)
+    return replace(ctx, logger=logger, version_names=_names_in(versions_by_model))
+
+
+def _names_in(index: Any) -> Callable[[str, str], list[str] | None]:
+    def names_of(namespace: str, model: str) -> list[str] | None:
+        try:
+            return list(index.get((namespace, model), ()))
+        except RuntimeError:  # the watch changed it while this thread read it: list the namespace
+            return None
+
+    return names_of
 
 
 def _plain(body: Any) -> dict[str, Any]:
     return copy.deepcopy(dict(body))
 
 
-def _run(kind: str, trigger: str, obj: dict[str, Any], model: str, work: Callable[[], Any]) -> None:
+def _run(
+    ctx: sync.Context,
+    kind: str,
+    trigger: str,
+    obj: dict[str, Any],
+    model: str,
+    work: Callable[[], Any],
+    received: float | None = None,
+) -> None:
+    """Run `work` in the model's turn, unless a reconcile begun after `received` already covered it.
+    `received` None: the trigger is not a plain reconcile (a rollout step) and always runs."""
     namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-    with _one_at_a_time(namespace, model), observed_reconcile(kind, namespace, name, trigger):
-        try:
-            work()
-        except InvalidResource as exc:
-            raise kopf.PermanentError(str(exc)) from None
-        except KubeError as exc:
-            if exc.retryable:
-                raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_SECONDS) from None
-            if exc.status in (401, 403):
-                raise kopf.TemporaryError(
-                    f"Kubernetes API refused the operator ({exc}); check its RBAC", delay=6 * RETRY_SECONDS
-                ) from None
-            raise kopf.PermanentError(f"Kubernetes API rejected a request: {exc}") from None
+    with TRIGGERS.turn(namespace, model, received) as needed:
+        if not needed:
+            SKIPPED.labels(kind, "covered").inc()
+            return
+        with observed_reconcile(kind, namespace, name, trigger), ctx.kube.journal() as seen:
+            try:
+                work()
+            except InvalidResource as exc:
+                raise kopf.PermanentError(str(exc)) from None
+            except KubeError as exc:
+                if exc.retryable:
+                    raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_SECONDS) from None
+                if exc.status in (401, 403):
+                    raise kopf.TemporaryError(
+                        f"Kubernetes API refused the operator ({exc}); check its RBAC",
+                        delay=6 * RETRY_SECONDS,
+                    ) from None
+                raise kopf.PermanentError(f"Kubernetes API rejected a request: {exc}") from None
+        TRIGGERS.remember(seen)
+
+
+def _reconcile_model_named(
+    ctx: sync.Context,
+    namespace: str,
+    model: str,
+    trigger: str,
+    received: float,
+    attempt: int = 0,
+    retry: bool = True,
+) -> None:
+    """Reconcile the model as it is now (read fresh). Watch events are never retried by kopf: a failure
+    here is retried by a timer, with backoff, so a child's change is not left to the next resync."""
+
+    def work() -> None:
+        im = ctx.kube.get(*_im_ref(), namespace, model)
+        if im is not None and not im["metadata"].get("deletionTimestamp"):
+            sync.reconcile_model(ctx, im)
+
+    ref = {"metadata": {"namespace": namespace, "name": model}}
+    try:
+        _run(ctx, "InferenceModel", trigger, ref, model, work, received)
+    except kopf.TemporaryError:
+        if retry and attempt < RETRY_ATTEMPTS:
+            delay = min(RETRY_SECONDS * 2**attempt, RESYNC_SECONDS)
+            retry = threading.Timer(delay, _retry, args=(ctx, namespace, model, attempt + 1))
+            retry.daemon = True
+            retry.start()
+        raise
+
+
+def _retry(ctx: sync.Context, namespace: str, model: str, attempt: int) -> None:
+    try:
+        _reconcile_model_named(ctx, namespace, model, "retry", time.monotonic(), attempt)
+    except (kopf.TemporaryError, kopf.PermanentError) as exc:
+        log.warning("InferenceModel %s/%s: reconcile failed again: %s", namespace, model, exc)
+
+
+def _is_news(body: Any, type: str | None = None, **_: Any) -> bool:
+    """kopf's `when` filter of the watch handlers: drop events that cannot tell a reconcile anything."""
+    news = TRIGGERS.is_news(body, type)
+    if not news:
+        SKIPPED.labels(body.get("kind") or "object", "seen").inc()
+    return news
 
 
 # --- startup ---------------------------------------------------------------------------------------------
@@ -113,15 +182,31 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
 @kopf.on.resume(*INFERENCE_MODELS)
 @kopf.on.create(*INFERENCE_MODELS)
 @kopf.on.update(*INFERENCE_MODELS)
-def model_changed(body: kopf.Body, memo: Any, logger: Any, reason: str = "update", **_: Any) -> None:
+def model_changed(
+    body: kopf.Body,
+    memo: Any,
+    logger: Any,
+    reason: str = "update",
+    versions_by_model: Any = None,
+    **_: Any,
+) -> None:
+    received = time.monotonic()
     im = _plain(body)
-    ctx = _context(memo, logger)
-    _run("InferenceModel", str(reason), im, im["metadata"]["name"], lambda: sync.reconcile_model(ctx, im))
+    ctx = _context(memo, logger, versions_by_model)
+    name = im["metadata"]["name"]
+    _run(ctx, "InferenceModel", str(reason), im, name, lambda: sync.reconcile_model(ctx, im), received)
 
 
+# A safety net, not the way changes arrive (watch events are): it runs only on models that no other
+# trigger reconciled for half an interval, and reads the model fresh.
 @kopf.timer(*INFERENCE_MODELS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS / 2)
-def model_resync(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
-    model_changed(body=body, memo=memo, logger=logger, reason="resync")
+def model_resync(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    if TRIGGERS.since_reconciled(namespace, name) < RESYNC_SKIP_SECONDS:
+        SKIPPED.labels("InferenceModel", "covered").inc()
+        return
+    ctx = _context(memo, logger, versions_by_model)
+    _reconcile_model_named(ctx, namespace, name, "resync", time.monotonic(), retry=False)  # kopf retries
 
 
 def _rollout_pending(spec: Any, status: Any, **_: Any) -> bool:
@@ -131,63 +216,90 @@ def _rollout_pending(spec: Any, status: Any, **_: Any) -> bool:
 # kopf timer intervals are fixed per handler: the timer ticks often, and each rollout step waits its own
 # spec.rollout.interval, counted from status.rollout.stepStartedAt.
 @kopf.timer(*INFERENCE_MODELS, interval=ROLLOUT_TICK_SECONDS, when=_rollout_pending)
-def rollout_tick(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+def rollout_tick(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
     """Start, judge or advance the model's canary (spec.rollout), and serve its traffic."""
     im = _plain(body)
-    ctx = _context(memo, logger)
-    _run("InferenceModel", "rollout", im, im["metadata"]["name"], lambda: sync.step_rollout(ctx, im))
+    ctx = _context(memo, logger, versions_by_model)
+    _run(ctx, "InferenceModel", "rollout", im, im["metadata"]["name"], lambda: sync.step_rollout(ctx, im))
 
 
 SERVING = {**MANAGED, names.LABEL_COMPONENT: "dataplane"}
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=SERVING)
-@kopf.on.event("", "v1", "services", labels=SERVING)
-@kopf.on.event("", "v1", "configmaps", labels=SERVING)
-def serving_child_event(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+@kopf.on.event("apps", "v1", "deployments", labels=SERVING, when=_is_news)
+@kopf.on.event("", "v1", "services", labels=SERVING, when=_is_news)
+@kopf.on.event("", "v1", "configmaps", labels=SERVING, when=_is_news)
+def serving_child_event(
+    body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any
+) -> None:
     """A serving object changed (pods ready, quota refusals, edited or deleted): refresh its model, which
     re-applies what drifted and re-creates what is gone."""
-    child = _plain(body)
-    model = child["metadata"].get("labels", {}).get(names.LABEL_MODEL)
-    ctx = _context(memo, logger)
-    im = ctx.kube.get(*_im_ref(), child["metadata"]["namespace"], model) if model else None
-    if im is not None and not im["metadata"].get("deletionTimestamp"):
-        _run(
-            "InferenceModel",
-            child.get("kind", "child").lower(),
-            im,
-            model,
-            lambda: sync.reconcile_model(ctx, im),
-        )
+    received = time.monotonic()
+    meta = body["metadata"]
+    model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
+    if model:
+        ctx = _context(memo, logger, versions_by_model)
+        trigger = str(body.get("kind") or "child").lower()
+        _reconcile_model_named(ctx, meta["namespace"], model, trigger, received)
 
 
 # --- ModelVersion ----------------------------------------------------------------------------------------
 
 
-@kopf.on.event(*MODEL_VERSIONS)
-def version_event(body: kopf.Body, memo: Any, logger: Any, type: str | None = None, **_: Any) -> None:
+@kopf.index(*MODEL_VERSIONS)
+def versions_by_model(namespace: str, name: str, spec: Any, **_: Any) -> dict[tuple[str, str], str]:
+    """The names of each model's ModelVersions, from the watch: a reconcile reads them by name instead of
+    listing every version of the namespace."""
+    return {(namespace, str((spec or {}).get("model", ""))): name}
+
+
+@kopf.on.event(*MODEL_VERSIONS, when=_is_news)
+def version_event(
+    body: kopf.Body,
+    memo: Any,
+    logger: Any,
+    type: str | None = None,
+    versions_by_model: Any = None,
+    **_: Any,
+) -> None:
     """Any change of a version (created, converted, deleted) may change its model's traffic."""
+    received = time.monotonic()
     mv = _plain(body)
     model = mv.get("spec", {}).get("model", "")
-    ctx = _context(memo, logger)
+    ctx = _context(memo, logger, versions_by_model)
     if type == "DELETED":  # gone: only its model has something left to do
-        im = ctx.kube.get(*_im_ref(), mv["metadata"]["namespace"], model) if model else None
-        if im is not None:
-            _run("InferenceModel", "version-deleted", im, model, lambda: sync.reconcile_model(ctx, im))
+        if model:
+            _reconcile_model_named(ctx, mv["metadata"]["namespace"], model, "version-deleted", received)
         return
-    _run("ModelVersion", "event", mv, model, lambda: sync.reconcile_model_of_version(ctx, mv))
+    _run(ctx, "ModelVersion", "event", mv, model, lambda: sync.reconcile_model_of_version(ctx, mv), received)
 
 
-@kopf.on.event("batch", "v1", "jobs", labels={**MANAGED, names.LABEL_COMPONENT: "conversion"})
-def job_event(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
+@kopf.on.event("batch", "v1", "jobs", labels={**MANAGED, names.LABEL_COMPONENT: "conversion"}, when=_is_news)
+def job_event(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
     """A conversion Job progressed: reconcile the version it belongs to (and that version's model)."""
+    received = time.monotonic()
     job = _plain(body)
     labels = job["metadata"].get("labels", {})
-    ctx = _context(memo, logger)
+    ctx = _context(memo, logger, versions_by_model)
     mv_name, model = labels.get(names.LABEL_VERSION), labels.get(names.LABEL_MODEL, "")
-    mv = ctx.kube.get(*_mv_ref(), job["metadata"]["namespace"], mv_name) if mv_name else None
-    if mv is not None:
-        _run("ModelVersion", "job", mv, model, lambda: sync.reconcile_model_of_version(ctx, mv))
+    if not mv_name:
+        return
+    namespace = job["metadata"]["namespace"]
+
+    def work() -> None:
+        mv = ctx.kube.get(*_mv_ref(), namespace, mv_name)
+        if mv is not None:
+            sync.reconcile_model_of_version(ctx, mv)
+
+    _run(
+        ctx,
+        "ModelVersion",
+        "job",
+        {"metadata": {"namespace": namespace, "name": mv_name}},
+        model,
+        work,
+        received,
+    )
 
 
 @kopf.on.delete(*MODEL_VERSIONS)
@@ -200,7 +312,7 @@ def version_deleted(body: kopf.Body, memo: Any, logger: Any, **_: Any) -> None:
         sync.mark_in_use(ctx, mv, holders)
         raise kopf.TemporaryError(
             f"still in spec.traffic of InferenceModel {', '.join(holders)}; waiting for it to leave",
-            delay=RESYNC_SECONDS / 2,
+            delay=3 * RETRY_SECONDS,
         )
     logger.info("no traffic points at this version any more; letting it go")
 

@@ -6,11 +6,16 @@ so the same code runs against a real API server and the kmock emulator in the te
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kubernetes import client
 from modelfleet.operator.api import API_VERSION
+from modelfleet.operator.observability import API_REQUESTS
 from modelfleet.operator.reconcile.names import FIELD_MANAGER
 
 PLURALS = {
@@ -25,6 +30,7 @@ PLURALS = {
     (API_VERSION, "ModelVersion"): "modelversions",
 }
 TIMEOUT = 30
+APPLIED = "modelfleet.dev/applied"  # annotation: a digest of what the operator last applied
 
 
 class KubeError(RuntimeError):
@@ -49,6 +55,28 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str | None 
 class Kube:
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         self.api = api_client or client.ApiClient()
+        self._journal = threading.local()
+
+    @contextmanager
+    def journal(self) -> Iterator[dict[str, str]]:
+        """Collect {uid: resourceVersion} of every object this thread reads or writes meanwhile: the
+        versions a reconcile has seen, so that their watch events can be told apart from news."""
+        seen: dict[str, str] = {}
+        outer = getattr(self._journal, "seen", None)
+        self._journal.seen = seen
+        try:
+            yield seen
+        finally:
+            self._journal.seen = outer
+            if outer is not None:
+                outer.update(seen)
+
+    def _note(self, obj: dict[str, Any]) -> dict[str, Any]:
+        seen = getattr(self._journal, "seen", None)
+        meta = obj.get("metadata") or {}
+        if seen is not None and meta.get("uid") and meta.get("resourceVersion"):
+            seen[meta["uid"]] = meta["resourceVersion"]
+        return obj
 
     def _call(
         self,
@@ -67,6 +95,7 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
+        API_REQUESTS.labels(method).inc()
         try:
             response = self.api.call_api(
                 method, url, header_params=headers, body=payload, post_params=post, _request_timeout=TIMEOUT
@@ -82,7 +111,7 @@ class Kube:
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._call("GET", resource_path(api_version, kind, namespace, name))
+            return self._note(self._call("GET", resource_path(api_version, kind, namespace, name)))
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -102,7 +131,7 @@ class Kube:
             raise
         # Filter again: a selector is a request to the server, and not every server honours it.
         return [
-            i
+            self._note(i)
             for i in items
             if all(i.get("metadata", {}).get("labels", {}).get(k) == v for k, v in (labels or {}).items())
         ]
@@ -142,7 +171,9 @@ class Kube:
         meta = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
-        return self._call("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
+        return self._note(
+            self._call("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
+        )
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete if present; False when it was already gone."""
@@ -176,7 +207,7 @@ class Kube:
         body: dict[str, Any] = {"status": status}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
-        return self._call("PATCH", path, body=body, content_type="application/merge-patch+json")
+        return self._note(self._call("PATCH", path, body=body, content_type="application/merge-patch+json"))
 
 
 def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any] | None:
@@ -187,6 +218,45 @@ def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     patch: dict[str, Any] = {key: value for key, value in new.items() if old.get(key) != value}
     patch.update({key: None for key in old if key not in new})
     return patch
+
+
+def matches(live: Any, desired: Any) -> bool:
+    """Whether the live object already holds every field of `desired` (what we would apply).
+
+    The API server adds defaults and drops empty values, and gives quantities back as strings (a GPU
+    count 1 comes back as "1"), so: extra live fields are fine, an empty desired value matches an absent
+    one, and a number matches its string form. Anything else that differs is drift, and is applied.
+    """
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return not desired and live is None
+        return all(
+            matches(live[key], value) if key in live else _empty(value) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(matches(a, b) for a, b in zip(live, desired, strict=True))
+        ) or (live is None and not desired)
+    if live == desired:
+        return True
+    numbers = (int, float)
+    if isinstance(desired, numbers) and not isinstance(desired, bool) and isinstance(live, str):
+        return live == str(desired)
+    return False
+
+
+def with_digest(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` annotated with a digest of itself. `matches` alone would miss a field the operator stopped
+    setting (the live object still holds every desired field); the digest differs then, so it is applied."""
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    meta = obj["metadata"]
+    return {**obj, "metadata": {**meta, "annotations": {**meta.get("annotations", {}), APPLIED: digest}}}
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == "" or value == {} or value == []
 
 
 def _message(status: int, body: bytes | str | None, fallback: str) -> str:

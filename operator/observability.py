@@ -33,6 +33,20 @@ RECONCILE_ERRORS = Counter(
     registry=REGISTRY,
 )
 
+API_REQUESTS = Counter(
+    "modelfleet_operator_api_requests",
+    "Requests the reconciles made to the Kubernetes API, by HTTP method (kopf's own are not counted).",
+    ["method"],
+    registry=REGISTRY,
+)
+SKIPPED = Counter(
+    "modelfleet_operator_skipped_triggers",
+    "Triggers that needed no reconcile, by why: the operator's own write or an unchanged object "
+    "(seen), or one that a reconcile started since covered (covered).",
+    ["kind", "why"],
+    registry=REGISTRY,
+)
+
 tracer = trace.get_tracer("modelfleet.operator")
 
 

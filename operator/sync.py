@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from modelfleet.operator.api import API_VERSION, InferenceModel, InferenceModelSpec, TrafficEntry
-from modelfleet.operator.kube import Kube, KubeError, status_patch
+from modelfleet.operator.kube import Kube, KubeError, matches, status_patch, with_digest
 from modelfleet.operator.metrics_source import MetricsSource, ScrapeError
 from modelfleet.operator.reconcile import conversion, names, rollout
 from modelfleet.operator.reconcile.conditions import condition, find, merge_conditions, now_rfc3339
@@ -46,6 +46,8 @@ class Context:
     clock: Clock = now_rfc3339
     record: Recorder = _no_events  # posts a Kubernetes Event about an object
     scrape: Scraper | None = None  # default: the pods' /metrics, through `MetricsSource`
+    # (namespace, model) -> names of its ModelVersions as the watch knows them; None: list the namespace
+    version_names: Callable[[str, str], list[str] | None] | None = None
 
     def event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
         log_level = logging.WARNING if type_ == "Warning" else logging.INFO
@@ -230,24 +232,22 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
             im["status"] = latest.get("status") or {}
         old_rollout = (im.get("status") or {}).get("rollout")
     traffic_spec = _effective_spec(model.spec, old_rollout)
-    mvs = [
-        mv
-        for mv in ctx.kube.list(API_VERSION, "ModelVersion", namespace)
-        if mv.get("spec", {}).get("model") == name
-    ]
+    mvs = _model_versions(ctx, namespace, name)
     duplicates = duplicate_versions(mvs)
     for mv in mvs:
         reconcile_version(ctx, mv, accelerator, duplicates.get(mv["metadata"]["name"]))
     planned = plan_traffic(traffic_spec, version_views(mvs, name), ctx.settings)
     plan = serving_plan(im, model.spec, planned, ctx.settings)
-    for obj in plan.apply:
-        ctx.kube.apply(obj)
+    live = {(obj["kind"], obj["metadata"]["name"]): _apply_if_changed(ctx, obj) for obj in plan.apply}
     for ref in plan.remove:
+        # Read first: deleting what is not there is still a write, and an idle reconcile makes none.
+        if ctx.kube.get(ref.api_version, ref.kind, ref.namespace, ref.name) is None:
+            continue
         if ctx.kube.delete(ref.api_version, ref.kind, ref.namespace, ref.name):
             ctx.event(
                 im, "Normal", "Deleted", f"deleted {ref.kind} {ref.name}: replicas.min/max no longer need it"
             )
-    deploy = ctx.kube.get("apps/v1", "Deployment", namespace, names.serving_name(name))
+    deploy = live.get(("Deployment", names.serving_name(name)))
     status = model_status(
         generation=generation,
         planned=planned,
@@ -265,6 +265,30 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
         message = f"serving traffic {status['traffic'] or 'none'} ({requested}: {_split(traffic_spec)})"
         ctx.event(im, "Normal", "TrafficUpdated", message)
     return status
+
+
+def _model_versions(ctx: Context, namespace: str, model: str) -> list[dict[str, Any]]:
+    """The model's ModelVersions, read fresh. Their names come from the operator's watch when it has
+    one (a few GETs, however many versions the namespace holds), else from a list of the namespace."""
+    known = ctx.version_names(namespace, model) if ctx.version_names is not None else None
+    if known is None:
+        found = ctx.kube.list(API_VERSION, "ModelVersion", namespace)
+    else:
+        found = [ctx.kube.get(API_VERSION, "ModelVersion", namespace, mv) for mv in sorted(known)]
+    return [mv for mv in found if mv is not None and mv.get("spec", {}).get("model") == model]
+
+
+def _apply_if_changed(ctx: Context, obj: dict[str, Any]) -> dict[str, Any]:
+    """The live object after making it hold `obj`: applied only when something differs (missing, edited
+    by someone, or our desired state moved), so a reconcile that finds nothing to change writes nothing."""
+    obj = with_digest(obj)
+    meta = obj["metadata"]
+    live = ctx.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+    if live is not None and matches(live, obj):
+        return live
+    if live is not None:
+        ctx.logger.debug("%s %s differs from what it should be; applying", obj["kind"], meta["name"])
+    return ctx.kube.apply(obj)
 
 
 def _split(spec: InferenceModelSpec) -> str:

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from modelfleet.operator import crdgen
+from modelfleet.operator.triggers import Triggers
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def fresh_triggers(monkeypatch):
+    """Each test starts with an operator that has reconciled nothing; a handler test that calls the
+    resync timer directly means "the resync is due", so it is never skipped as too soon."""
+    handlers = sys.modules.get("modelfleet.operator.handlers")
+    if handlers is not None:
+        monkeypatch.setattr(handlers, "TRIGGERS", Triggers())
+        monkeypatch.setattr(handlers, "RESYNC_SKIP_SECONDS", 0.0)
 
 
 @pytest.fixture(scope="session")

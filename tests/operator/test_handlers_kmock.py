@@ -254,13 +254,21 @@ async def test_finished_conversion_moves_traffic_and_traffic_edits_keep_the_pods
     assert status["traffic"] == "v1=20,v2=80" and status["observedGeneration"] == 2
 
 
-async def test_reconciling_again_writes_no_status(kmock, cluster, memo):
+async def test_reconciling_again_writes_nothing(kmock, cluster, memo):
     await call(handlers.model_changed, cluster["chat"], memo, reason="create")
     before = len(requests(kmock, "PATCH", r"/status$"))
     assert before == 3  # the model and its two versions
-    await call(handlers.model_resync, await obj(kmock, IM, "chat"), memo)
+    model = await obj(kmock, IM, "chat")
+    seen = len(list(kmock))
+    await call(handlers.model_resync, model, memo)
     assert len(requests(kmock, "PATCH", r"/status$")) == before
     assert len(requests(kmock, "PATCH", r"/jobs/")) == 3  # Jobs are created once, never re-applied
+    # Nothing changed, so nothing is written: no apply, no delete, no status, no Event; only reads: the
+    # model, its versions, their Jobs, the Events of the three Jobs that have no pod yet, the five
+    # serving objects.
+    idle = [f"{r.method.value} {r.url.path}" for r in list(kmock)[seen:]]
+    assert [r for r in idle if not r.startswith("GET ")] == []
+    assert len(idle) == 1 + 1 + 2 + 3 + 5, idle
 
 
 async def test_a_deleted_child_comes_back(kmock, cluster, memo):
