@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from modelfleet.cli.commands import EXTRAS, SUBCOMMANDS
@@ -166,8 +167,14 @@ def environment_pins(work: Path) -> Path:
     return path
 
 
+class BaseInstall(NamedTuple):
+    venv: Path
+    wheel: Path
+    wheelhouse: Path
+
+
 @pytest.fixture(scope="module")
-def base_venv(tmp_path_factory) -> Path:
+def base_install(tmp_path_factory) -> BaseInstall:
     """A fresh venv: torch at the Makefile's pin first (as a CUDA image or `make setup` would have it),
     then the base package from its wheel, no extra."""
     work = tmp_path_factory.mktemp("base-venv")
@@ -182,7 +189,12 @@ def base_venv(tmp_path_factory) -> Path:
         python, "-m", "pip", "install", "-q", "--no-compile", "--no-index", "--find-links", house,
         "-c", constraints, wheel,
     )  # fmt: skip
-    return venv
+    return BaseInstall(venv, wheel, house)
+
+
+@pytest.fixture(scope="module")
+def base_venv(base_install) -> Path:
+    return base_install.venv
 
 
 OPTIONAL_TOOLS = {
@@ -265,6 +277,29 @@ class TestTheBasePackageAlone:
             f"modelfleet {command}: error: needs the '{command}' extra: pip install 'modelfleet[{command}]'"
         ]
         assert result.stdout == ""
+
+    def test_an_installed_cuda_build_of_torch_is_kept(self, base_install, tmp_path):
+        """pip resolves the package for an environment holding torch 2.6.0+cu124 (its metadata only):
+        nothing replaces it, as an exact pin in the package's metadata would."""
+        env = tmp_path / "cuda-env"
+        checked(sys.executable, "-m", "venv", "--without-pip", env)
+        purelib = checked(
+            env / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        )
+        dist_info = Path(purelib.stdout.strip()) / "torch-2.6.0+cu124.dist-info"
+        dist_info.mkdir(parents=True)
+        (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.6.0+cu124\n")
+        (dist_info / "INSTALLER").write_text("pip\n")
+        (dist_info / "RECORD").write_text("")
+        report = tmp_path / "report.json"
+        checked(
+            base_install.venv / "bin" / "python", "-m", "pip", "--python", env / "bin" / "python",
+            "install", "--dry-run", "-q", "--no-index", "--find-links", base_install.wheelhouse,
+            "--report", report, base_install.wheel,
+        )  # fmt: skip
+        installs = {canonical(item["metadata"]["name"]) for item in json.loads(report.read_text())["install"]}
+        assert "modelfleet" in installs
+        assert "torch" not in installs
 
     def test_crds_need_no_extra(self, base_venv, tmp_path):
         checked(base_venv / "bin" / "modelfleet", "crds", "--out", tmp_path)
