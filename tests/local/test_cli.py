@@ -92,6 +92,14 @@ def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
             e.split()[1:4] == ["Normal", "ConversionStarted", "modelversion/chat-v1"] for e in events[1:]
         )
 
+        server = {p.pid for p in psutil.Process(up.pid).children(recursive=True)}
+        assert alive(server)
+        deleted = local("delete", "im", "chat", "--work-dir", str(work))
+        assert deleted.stdout.strip() == "inferencemodel.modelfleet.dev/chat deleted", deleted.stderr
+        wait_for(lambda: not alive(server), 60, "the model's server to stop")
+        assert local("apply", "-f", str(path), "--work-dir", str(work)).returncode == 0  # and back it comes
+        wait_for(lambda: psutil.Process(up.pid).children(), 60, "a new server")
+
         started = {up.pid, *(p.pid for p in psutil.Process(up.pid).children(recursive=True))}
         assert len(alive(started)) >= 2  # the supervisor and its server
         down = local("down", "--work-dir", str(work))
