@@ -38,13 +38,17 @@ class PlannedVersion:
     message: str
 
 
-def choose_artifact(view: VersionView, accelerator: str) -> dict[str, Any] | None:
-    """The artifact to serve on `accelerator`: the quantized one when asked for, else the preferred format."""
+def choose_artifact(view: VersionView, accelerator: str, *, tensorrt: bool) -> dict[str, Any] | None:
+    """The artifact to serve on `accelerator`: the quantized one when asked for, else the preferred format.
+    `tensorrt`: whether the data-plane image can load TensorRT engines (an artifact built before the
+    setting was turned off must not be chosen over one the pods can load)."""
     hw = hardware(accelerator)
     usable = [
         a
         for a in view.artifacts
-        if a.get("accelerator") == accelerator and hw.supports(a.get("format", ""), a.get("dtype", ""))
+        if a.get("accelerator") == accelerator
+        and hw.supports(a.get("format", ""), a.get("dtype", ""))
+        and (tensorrt or a.get("format") != "tensorrt")
     ]
     if not usable:
         return None
@@ -83,7 +87,7 @@ def plan_traffic(
                 f"no ModelVersion with spec.model and spec.version {entry.version!r}; create it",
             )
             continue
-        artifact = choose_artifact(view, accelerator)
+        artifact = choose_artifact(view, accelerator, tensorrt=settings.dataplane_tensorrt)
         if artifact is None and view.phase != "Ready":
             why = f": {view.message}" if view.message else ""
             notes[entry.version] = ("VersionNotReady", f"version is {view.phase or 'Pending'}{why}")

@@ -109,3 +109,14 @@ def test_redistribute_keeps_proportions_and_sums_to_100(weights):
     assert sum(out.values()) == (100 if total else 0)
     for name, weight in weights.items():
         assert abs(out[name] - (weight * 100 / total if total else 0)) < 1
+
+
+def test_a_tensorrt_artifact_is_served_only_where_the_image_has_tensorrt():
+    engine, onnx = ("nvidia-l4", "tensorrt", "fp16"), ("nvidia-l4", "onnx", "fp16")
+    views = {"v1": view("v1", "Ready", engine, onnx)}
+    without = plan_traffic(spec(v1=100), views, OperatorSettings(dataplane_tensorrt=False))
+    assert without[0].artifact_path.endswith("nvidia-l4-onnx-fp16")
+    with_trt = plan_traffic(spec(v1=100), views, OperatorSettings(dataplane_tensorrt=True))
+    assert with_trt[0].artifact_path.endswith("nvidia-l4-tensorrt-fp16")
+    only_engine = plan_traffic(spec(v1=100), {"v1": view("v1", "Ready", engine)}, SETTINGS)
+    assert served(only_engine) == {"v1": (0, "NoArtifactForHardware")}
