@@ -17,6 +17,7 @@ from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.auth import Principal
 from modelfleet.dataplane.server.dataplane import UNKNOWN_MODEL, DataPlane, Generation, RequestContext
 from modelfleet.dataplane.server.errors import BadRequest, ServerError, error_body, validation_message
+from modelfleet.dataplane.server.guard import RequestGuard
 from modelfleet.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
@@ -52,6 +53,8 @@ def create_app(dataplane: DataPlane, *, lifespan=None) -> FastAPI:
     app = FastAPI(title="modelfleet", lifespan=lifespan)
     app.state.dataplane = dataplane
     app.add_middleware(HttpSpanMiddleware, tracer=dataplane.tracer)
+    # Outermost: the key and the body's size and pace are checked before anything reads the body.
+    app.add_middleware(RequestGuard, settings=dataplane.settings, dataplane=dataplane)
     _install_error_handlers(app)
 
     @app.get("/health")

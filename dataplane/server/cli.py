@@ -55,6 +55,7 @@ def handle(args: argparse.Namespace) -> int:
     import uvicorn
     from modelfleet.dataplane.manifest import ManifestError, ServedModel, load_manifest, single_model_manifest
     from modelfleet.dataplane.server.auth import KeyFileError
+    from modelfleet.dataplane.server.connections import uvicorn_config
     from modelfleet.dataplane.server.runtime import build_app
     from modelfleet.dataplane.server.settings import ServerSettings
     from pydantic import ValidationError
@@ -83,7 +84,7 @@ def handle(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     print(f"modelfleet serve: http://{settings.host}:{settings.port}/v1 ({len(manifest.models)} model(s))")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn_config(app, settings, log_level=args.log_level)).run()
     return 0
 
 

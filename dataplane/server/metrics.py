@@ -147,6 +147,12 @@ class ServerMetrics:
         self.rejected = Counter(
             "modelfleet_rejected_requests", "Requests refused by limits, by reason.", ["reason"], registry=r
         )
+        self.client_timeouts = Counter(
+            "modelfleet_client_timeouts",
+            "Connections cut because the client was too slow: reason header, body or send (stopped reading).",
+            ["reason"],
+            registry=r,
+        )
         self.manifest_reloads = Counter(
             "modelfleet_manifest_reloads",
             "Manifest reloads, by result (applied or invalid).",

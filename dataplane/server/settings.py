@@ -43,3 +43,17 @@ class ServerSettings(BaseSettings):
 
     # Shadow copies run in the background; past this many at once they are dropped, never queued.
     max_shadow_in_flight: int = Field(default=16, ge=0)
+
+    # What a client may hold and for how long: no connection, body or admission place is held by a
+    # client that is slow or gone. Bodies past the limit get 413 before they are read.
+    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    header_timeout_seconds: float = Field(default=10.0, gt=0, description="connection open to request head")
+    body_timeout_seconds: float = Field(default=30.0, gt=0, description="request head to the body's end")
+    keep_alive_timeout_seconds: float = Field(default=5.0, gt=0, description="idle between requests")
+    send_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="a response the client does not read for this long is aborted"
+    )
+    max_batch_prompts: int = Field(default=64, ge=1, description="prompts in one completion request")
+
+    # Per-key limits are shared by the replicas serving a model: each enforces 1/replicas of them.
+    replicas: int = Field(default=1, ge=1)

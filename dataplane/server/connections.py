@@ -1,0 +1,115 @@
+"""Connection deadlines uvicorn lacks: a client that never finishes its request head, or stops reading a
+response, loses its connection instead of holding it (and the request's admission place) forever.
+
+- head: from the connection's start, or the end of its previous response, the next request head must
+  arrive within `header_timeout_seconds` (uvicorn's keep-alive timer stops at the first byte, so a client
+  sending its head one byte at a time would otherwise keep the connection).
+- send: once the transport's write buffer is full, the client must take data again within
+  `send_timeout_seconds`; else the connection is aborted, the app sees a disconnect and its request is
+  cancelled (engine request aborted, KV blocks and admission place freed).
+
+`uvicorn_config` is how every server of this package is configured, tests included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from modelfleet.dataplane.server.settings import ServerSettings
+
+OnTimeout = Callable[[str], None]  # called with "header" or "send"
+
+
+class _Deadlines:
+    """Mixed into uvicorn's HTTP protocols (h11 and httptools share these names)."""
+
+    header_timeout: float
+    send_timeout: float
+    on_timeout: OnTimeout
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_deadline()
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._head_timer = loop.call_later(self.header_timeout, self._head_deadline, self.cycle)  # type: ignore[attr-defined]
+
+    def _head_deadline(self, cycle_then: Any) -> None:
+        transport = self.transport  # type: ignore[attr-defined]
+        if transport.is_closing() or transport.get_protocol() is not self:  # closed, or now a WebSocket
+            return
+        cycle = self.cycle  # type: ignore[attr-defined]
+        if cycle is cycle_then and (cycle is None or cycle.response_complete):  # no new head since armed
+            self.on_timeout("header")
+            transport.abort()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        if not self.transport.is_closing():  # type: ignore[attr-defined]
+            self._arm_head_deadline()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._send_timer is None:
+            loop = asyncio.get_running_loop()
+            self._send_timer = loop.call_later(self.send_timeout, self._send_deadline)
+
+    def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().resume_writing()  # type: ignore[misc]
+
+    def _send_deadline(self) -> None:
+        self._send_timer = None
+        if not self.transport.is_closing() or self.transport.get_write_buffer_size():  # type: ignore[attr-defined]
+            self.on_timeout("send")
+            self.transport.abort()  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._send_timer, self._head_timer):
+            if timer is not None:
+                timer.cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+
+def protocol_class(settings: ServerSettings, on_timeout: OnTimeout) -> type[asyncio.Protocol]:
+    """uvicorn's fastest available HTTP protocol (httptools, else h11) with the deadlines above."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:  # httptools is optional
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    attrs = {
+        "header_timeout": settings.header_timeout_seconds,
+        "send_timeout": settings.send_timeout_seconds,
+        "on_timeout": staticmethod(on_timeout),
+    }
+    return type(f"Guarded{base.__name__}", (_Deadlines, base), attrs)
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> uvicorn.Config:
+    """The server's uvicorn settings: client deadlines, keep-alive and the WebSocket message limit."""
+    metrics = getattr(getattr(app.state, "dataplane", None), "metrics", None)
+
+    def on_timeout(reason: str) -> None:
+        if metrics is not None:
+            metrics.client_timeouts.labels(reason).inc()
+
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "http": protocol_class(settings, on_timeout),
+        "timeout_keep_alive": settings.keep_alive_timeout_seconds,
+        "ws_max_size": settings.max_request_body_bytes,
+        "h11_max_incomplete_event_size": 64 * 1024,  # a request head larger than this is refused
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
