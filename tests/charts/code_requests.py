@@ -304,8 +304,9 @@ def preflight_needs(served: str | None, peering: str) -> list[Need]:
 
 def kopf_needs(served: str | None, peering: str) -> list[Need]:
     """What kopf itself asks for, serving every namespace (`served` None) or one: it discovers CRDs (and,
-    serving a list, namespaces), lists and watches every resource a handler is registered for, patches
-    the objects it keeps progress and finalizers on, keeps alive in its peering object and posts Events."""
+    serving a list, namespaces), lists and watches every resource a handler or index is registered for,
+    patches the objects it keeps progress and finalizers on, keeps alive in its peering object and posts
+    Events."""
     registry = registries.get_default_registry()  # filled by importing handlers
     needs: list[Need] = [
         (v, "customresourcedefinitions.apiextensions.k8s.io", None, None) for v in ("list", "watch")
@@ -319,7 +320,8 @@ def kopf_needs(served: str | None, peering: str) -> list[Need]:
         ("patch", peerings, served, peering),
     ]
     stateful = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
-    for handler in [*registry._watching.get_all_handlers(), *stateful]:
+    watching = [*registry._watching.get_all_handlers(), *registry._indexing.get_all_handlers()]
+    for handler in [*watching, *stateful]:
         if not handler.fn.__module__.startswith("modelfleet.operator."):
             continue  # registered by something else in this process, not by the operator
         selector = handler.selector
