@@ -146,6 +146,13 @@ class Engine(_Model):
         le=1,
         description="Share of the device memory left after the weights that the KV cache takes.",
     )
+    kv_cache_bytes: int | None = Field(
+        default=None,
+        ge=1 << 20,
+        le=1 << 40,
+        description="KV-cache budget in bytes on the CPU (default 1 GiB); accelerators use "
+        "kvCacheMemoryFraction.",
+    )
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
 
 

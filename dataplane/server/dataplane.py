@@ -120,6 +120,7 @@ class DataPlane:
                 d["max_num_seqs"] = engine_max_num_seqs(slot.engine, slot.spec)
                 d["max_model_len"] = engine_max_model_len(slot.engine)
                 d["admission_limit"] = self.admission.limit(d["max_num_seqs"])
+                d["kv_cache_blocks"] = slot.engine.stats().num_total_blocks
         ready = self.manifest_loaded and self.manager.ready()
         return ready, {"ready": ready, "manifest_loaded": self.manifest_loaded, "versions": details}
 

@@ -33,6 +33,8 @@ def engine_settings(spec: InferenceModelSpec) -> dict[str, Any]:
     }
     if spec.engine.max_model_len is not None:
         engine["max_model_len"] = spec.engine.max_model_len
+    if spec.engine.kv_cache_bytes is not None:
+        engine["kv_cache_bytes"] = spec.engine.kv_cache_bytes
     return engine
 
 

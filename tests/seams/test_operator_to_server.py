@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
+from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.models import ModelConfig, kv_cache_block_bytes
 from modelfleet.dataplane.server import cli as serve_cli
 from modelfleet.dataplane.server.settings import ServerSettings
 from modelfleet.operator.api import InferenceModel
@@ -21,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 MAX_NUM_SEQS = 3
 MAX_MODEL_LEN = 2048  # the tiny model's longest: streams that outlast the checks
+KV_CACHE_BYTES = 3 << 20  # fewer blocks than MAX_NUM_SEQS sequences of MAX_MODEL_LEN could use
 
 
 def objects(artifact: Path) -> tuple[dict, dict]:
@@ -31,7 +35,11 @@ def objects(artifact: Path) -> tuple[dict, dict]:
         "spec": {
             "hardware": {"accelerator": "cpu"},
             "replicas": {"min": 1, "max": 3},
-            "engine": {"maxNumSeqs": MAX_NUM_SEQS, "maxModelLen": MAX_MODEL_LEN},
+            "engine": {
+                "maxNumSeqs": MAX_NUM_SEQS,
+                "maxModelLen": MAX_MODEL_LEN,
+                "kvCacheBytes": KV_CACHE_BYTES,
+            },
             "traffic": [{"version": "v1", "weight": 100}],
             "loading": {"mode": "eager"},
         },
@@ -120,6 +128,9 @@ def test_spec_engine_is_what_the_server_runs_admits_and_scales_on(
     (version,) = httpx.get(f"{server.url}/ready").json()["versions"]
     assert (version["max_num_seqs"], version["max_model_len"]) == (MAX_NUM_SEQS, MAX_MODEL_LEN)
     assert version["admission_limit"] == MAX_NUM_SEQS
+    model = ModelConfig.from_dir(tiny_model_dir)
+    block_bytes = kv_cache_block_bytes(model, EngineConfig.block_size, torch.float32)
+    assert version["kv_cache_blocks"] == KV_CACHE_BYTES // block_bytes
 
     hpa_metric = kinds["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert metric(httpx.get(f"{server.url}/metrics").text, hpa_metric) == 0.0
