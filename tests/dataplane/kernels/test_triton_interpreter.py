@@ -1,0 +1,51 @@
+"""Small cases of every Triton kernel, run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), so
+that CI runs the kernels' code and not only their references.
+
+The interpreter must be on before the kernel modules are imported (`triton.jit` reads it then), and no
+GPU may be visible, so the cases run in a pytest of their own. float32 only: the interpreter rounds
+float32 -> bfloat16 by truncation, not to nearest as a GPU does, so exact bf16 comparisons would fail
+for reasons of the interpreter's own. The full matrix runs on a GPU:
+`.venv/bin/python -m pytest -q tests/dataplane/kernels`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+CASES = [
+    "test_kernel_small_ops.py::test_rms_norm_matches_reference[False-1-64-dtype2]",
+    "test_kernel_small_ops.py::test_rms_norm_matches_reference[True-83-64-dtype2]",
+    "test_kernel_small_ops.py::test_rotary_matches_reference[False-12-4-80-dtype2]",
+    "test_kernel_small_ops.py::test_silu_and_mul_matches_reference[shape2-dtype2]",
+    "test_kernel_kv_write.py::test_write_kv_matches_reference[3-80-16-dtype2]",
+    "test_kernel_rotary_kv_write.py::test_matches_rotary_then_write_kv[7-14-2-64-dtype2]",
+    "test_kernel_decode_attention.py::test_decode_matches_reference[short-64-12-2-dtype2]",
+    "test_kernel_extend_attention.py::test_extend_matches_reference[mixed-64-12-2-dtype2]",
+    "test_kernel_sampling.py::test_greedy_is_torch_argmax[False-1000-3-dtype2]",
+    "test_kernel_sampling.py::test_nan_rows_are_flagged_and_others_not[1000-dtype2]",
+]
+
+
+def test_small_kernel_cases_pass_under_the_triton_interpreter():
+    import triton  # noqa: F401  (a dev dependency: `pip install -e '.[dev]'`)
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("PYTEST_ADDOPTS", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--timeout=240"]
+    proc = subprocess.run(
+        [*cmd, *(str(HERE / case) for case in CASES)],
+        cwd=HERE.parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    # Every case ran: none skipped (no kernel device) or deselected (a renamed case).
+    assert f"{len(CASES)} passed" in output.splitlines()[-1], output[-2000:]
+    assert "skipped" not in output.splitlines()[-1]
