@@ -13,7 +13,6 @@ from modelfleet.controlplane.resources import KEYS_SECRET, QUOTA_NAME
 from .rbac import Request
 
 ALL, TENANT = "all", "tenant"
-QUOTA = QUOTA_NAME
 PEERING = "<peering>"  # the release's own kopf peering object, filled in per release
 IM, MV = "inferencemodels.modelfleet.dev", "modelversions.modelfleet.dev"
 
@@ -71,7 +70,7 @@ OPERATOR_MAY_NOT: list[Row] = [
 
 CONTROL_PLANE_MAY: list[Row] = [
     *_each("create patch delete", "namespaces", ALL),
-    *_each("create patch", "resourcequotas", TENANT, QUOTA),
+    *_each("create patch", "resourcequotas", TENANT, QUOTA_NAME),
     *_each("get create patch", "secrets", TENANT, KEYS_SECRET),
     *_each("get list create patch delete", f"{IM} {MV}", TENANT),
 ]
@@ -84,7 +83,7 @@ CONTROL_PLANE_MAY_NOT: list[Row] = [
     *_each("get list watch", "namespaces", ALL),
     ("create", "resourcequotas", TENANT),
     ("patch", "resourcequotas", TENANT, "someone-elses-quota"),
-    ("delete", "resourcequotas", TENANT, QUOTA),
+    ("delete", "resourcequotas", TENANT, QUOTA_NAME),
     *_each("get list", "pods", TENANT),
     ("create", "pods/exec", TENANT),
     ("get", "pods/log", TENANT),
