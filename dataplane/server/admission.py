@@ -8,11 +8,11 @@ memory never grows without bound under overload.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from modelfleet.dataplane.server.errors import RateLimited
+from modelfleet.dataplane.server.slots import Slots
 
 
 class WaitingRoom:
@@ -24,7 +24,8 @@ class WaitingRoom:
 
 
 class AdmissionQueue:
-    """At most `max_running` requests inside, the others waiting in arrival order."""
+    """At most `max_running` sequences inside, the others waiting in arrival order. A request takes a
+    place per sequence it runs (its prompts times `n`), all of them at most."""
 
     def __init__(self, max_running: int, max_waiting: int, *, room: WaitingRoom | None = None) -> None:
         if max_running < 1:
@@ -33,15 +34,16 @@ class AdmissionQueue:
         self.room = room or WaitingRoom(max_waiting)
         self.running = 0
         self.waiting = 0
-        self._slots = asyncio.Semaphore(max_running)
+        self._slots = Slots(max_running)
 
     @property
     def max_waiting(self) -> int:
         return self.room.max_waiting
 
     @asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        if self.running >= self.max_running or self.waiting:
+    async def admit(self, sequences: int = 1) -> AsyncIterator[None]:
+        weight = max(1, min(sequences, self.max_running))
+        if self.running + weight > self.max_running or self.waiting:
             if self.room.waiting >= self.room.max_waiting:
                 raise RateLimited(
                     f"server is at capacity ({self.running} running, {self.room.waiting} waiting, "
@@ -52,18 +54,18 @@ class AdmissionQueue:
             self.waiting += 1
             self.room.waiting += 1
             try:
-                await self._slots.acquire()
+                await self._slots.acquire(weight)
             finally:
                 self.waiting -= 1
                 self.room.waiting -= 1
         else:
-            await self._slots.acquire()
-        self.running += 1
+            await self._slots.acquire(weight)
+        self.running += weight
         try:
             yield
         finally:
-            self.running -= 1
-            self._slots.release()
+            self.running -= weight
+            self._slots.release(weight)
 
 
 class Admission:

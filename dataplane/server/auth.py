@@ -12,6 +12,7 @@ import json
 import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,69 +144,135 @@ class KeyStore:
         return principal
 
 
+WINDOW_SECONDS = 60.0
+
+
+@dataclass
+class Reservation:
+    """Tokens set aside for one request before it runs; `used` is what it really took, once known."""
+
+    key_id: str
+    entry: list  # [time, tokens] in the key's window
+    used: int | None = None
+
+
 @dataclass
 class _KeyState:
-    level: float  # tokens left in the bucket; may go negative after a large request
-    updated: float
+    charges: deque = field(default_factory=deque)  # [time, tokens], oldest first, within the window
     in_flight: int = 0
 
 
 @dataclass
 class RateLimiter:
-    """Per-key token bucket (refilled at tokens_per_minute / 60 per second) and concurrency cap.
+    """Per-key tokens per minute and concurrency cap, each this replica's share of the key's limits.
 
-    A request is admitted while the bucket is above zero; its real usage (prompt and generated tokens)
-    is charged as it happens, so one large request can push the bucket below zero and make the next
-    ones wait until it refills.
+    Tokens: at most `tokens_per_minute` in any 60 s window. A request reserves its prompt tokens plus
+    its most generated tokens (max_tokens per sequence) before it runs, and is refused (429 with the
+    wait) when that does not fit; when it ends, the reservation shrinks to what it used.
+
+    Replicas: `replicas()` says how many servers share the key's limits; each enforces its share, so a
+    tenant spread over the replicas by the Service gets its limit in all, not that many times over.
     """
 
     clock: Callable[[], float] = time.monotonic
+    replicas: Callable[[], int] = lambda: 1
     _states: dict[str, _KeyState] = field(default_factory=dict)
 
-    def _state(self, principal: Principal) -> _KeyState:
-        state = self._states.get(principal.key_id)
+    def shares(self, limits: KeyLimits) -> tuple[int, int]:
+        """This replica's tokens per minute and concurrency (0 = unlimited, else at least 1)."""
+        count = max(1, self.replicas())
+
+        def share(value: int) -> int:
+            return max(1, value // count) if value else 0
+
+        return share(limits.tokens_per_minute), share(limits.max_concurrent)
+
+    def _state(self, principal: Principal) -> tuple[_KeyState, float, int]:
+        """The key's state with charges older than the window dropped, the time, and tokens in the window."""
+        state = self._states.setdefault(principal.key_id, _KeyState())
         now = self.clock()
-        if state is None:
-            state = self._states[principal.key_id] = _KeyState(
-                level=float(principal.limits.tokens_per_minute), updated=now
-            )
-        tpm = principal.limits.tokens_per_minute
-        if tpm:
-            state.level = min(float(tpm), state.level + (now - state.updated) * tpm / 60.0)
-        state.updated = now
-        return state
+        while state.charges and state.charges[0][0] <= now - WINDOW_SECONDS:
+            state.charges.popleft()
+        return state, now, sum(tokens for _, tokens in state.charges)
+
+    def _wait(self, state: _KeyState, now: float, used: int, room: int) -> float:
+        """Seconds until at most `room` tokens are left in the window (the oldest charges leave first)."""
+        wait = 0.0
+        for when, tokens in state.charges:
+            if used <= room:
+                break
+            used -= tokens
+            wait = when + WINDOW_SECONDS - now
+        return max(wait, 1.0)
 
     def acquire(self, principal: Principal) -> None:
-        """Admit one request or raise RateLimited with the seconds to wait."""
-        limits = principal.limits
-        if not limits.tokens_per_minute and not limits.max_concurrent:
+        """Admit one request or raise RateLimited with the seconds to wait (the window is full)."""
+        tpm, concurrent = self.shares(principal.limits)
+        if not tpm and not concurrent:
             return
-        state = self._state(principal)
-        if limits.max_concurrent and state.in_flight >= limits.max_concurrent:
+        state, now, used = self._state(principal)
+        if concurrent and state.in_flight >= concurrent:
             raise RateLimited(
                 f"API key '{principal.key_id}' has {state.in_flight} requests in flight "
-                f"(limit {limits.max_concurrent}); wait for one to finish",
+                f"(limit {concurrent}{self._on_replica()}); wait for one to finish",
                 retry_after=1.0,
                 code="concurrency_limit_exceeded",
             )
-        if limits.tokens_per_minute and state.level <= 0:
-            wait = math.ceil((1.0 - state.level) * 60.0 / limits.tokens_per_minute)
+        if tpm and used >= tpm:
+            wait = math.ceil(self._wait(state, now, used, tpm - 1))
             raise RateLimited(
-                f"API key '{principal.key_id}' is over its limit of {limits.tokens_per_minute} tokens "
-                f"per minute; retry in {wait} s",
+                f"API key '{principal.key_id}' is over its limit of {tpm} tokens per minute"
+                f"{self._on_replica()}; retry in {wait} s",
                 retry_after=wait,
                 code="token_rate_limit_exceeded",
             )
         state.in_flight += 1
 
+    def reserve(self, principal: Principal, tokens: int) -> Reservation | None:
+        """Set `tokens` aside in the key's window, or raise RateLimited saying when they would fit."""
+        tpm, _ = self.shares(principal.limits)
+        if not tpm:
+            return None
+        state, now, used = self._state(principal)
+        if tokens > tpm:
+            raise RateLimited(
+                f"request needs up to {tokens} tokens (prompt plus max_tokens for each sequence), over "
+                f"API key '{principal.key_id}''s limit of {tpm} tokens per minute{self._on_replica()}; "
+                "lower max_tokens or n, or send fewer or shorter prompts",
+                retry_after=WINDOW_SECONDS,
+                code="token_rate_limit_exceeded",
+            )
+        if used + tokens > tpm:
+            wait = math.ceil(self._wait(state, now, used, tpm - tokens))
+            raise RateLimited(
+                f"API key '{principal.key_id}' has {tpm - used} of its {tpm} tokens per minute left"
+                f"{self._on_replica()} and this request needs up to {tokens}; retry in {wait} s",
+                retry_after=wait,
+                code="token_rate_limit_exceeded",
+            )
+        entry = [now, tokens]
+        state.charges.append(entry)
+        return Reservation(principal.key_id, entry)
+
+    def settle(self, reservation: Reservation | None) -> None:
+        """The request ended: keep what it used of its reservation (nothing if it never ran)."""
+        if reservation is not None:
+            reservation.entry[1] = min(reservation.entry[1], reservation.used or 0)
+
     def charge(self, principal: Principal, tokens: int) -> None:
+        """Count tokens used outside a reservation."""
         if principal.limits.tokens_per_minute and tokens:
-            self._state(principal).level -= tokens
+            state, now, _ = self._state(principal)
+            state.charges.append([now, tokens])
 
     def release(self, principal: Principal) -> None:
-        limits = principal.limits
-        if not limits.tokens_per_minute and not limits.max_concurrent:
+        tpm, concurrent = self.shares(principal.limits)
+        if not tpm and not concurrent:
             return
         state = self._states.get(principal.key_id)
         if state is not None and state.in_flight > 0:
             state.in_flight -= 1
+
+    def _on_replica(self) -> str:
+        count = self.replicas()
+        return f", this replica's share of {count}" if count > 1 else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -62,3 +63,67 @@ def requested_logprobs(request: Any) -> int | None:
     if isinstance(request, ChatCompletionRequest):
         return (request.top_logprobs or 0) if request.logprobs else None
     return request.logprobs
+
+
+# A token's text is at most the vocabulary's longest entry; normalizers (NFKC, composition) can merge a
+# few characters into one, hence the factor. Over this bound a prompt cannot fit, whatever its tokens.
+_NORMALIZER_ROOM = 4
+
+
+def check_batch(settings: ServerSettings, request: Any) -> int:
+    """How many prompts a completion request carries (1 for chat); 400 past max_batch_prompts. Runs before
+    anything is tokenized."""
+    prompt = getattr(request, "prompt", None)
+    count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    if count > settings.max_batch_prompts:
+        raise BadRequest(
+            f"prompt: {count} prompts in one request, over the server's limit of "
+            f"{settings.max_batch_prompts} (max_batch_prompts); send them in several requests",
+            param="prompt",
+        )
+    return count
+
+
+def prompt_texts(request: Any) -> list[str]:
+    """The texts the tokenizer will read: each text prompt, or a chat's messages as one."""
+    if isinstance(request, ChatCompletionRequest):
+        return ["".join(m.text() for m in request.messages)]
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    return [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
+
+
+def check_prompt_chars(
+    settings: ServerSettings, request: Any, tokenizer: Any, max_model_len: int | None
+) -> int:
+    """400 for a text too long to fit the token limit, before tokenizing it; the total characters."""
+    texts = prompt_texts(request)
+    total = sum(len(t) for t in texts)
+    token_limit = settings.max_prompt_tokens or (max_model_len - 1 if max_model_len else 0)
+    longest = longest_token_chars(tokenizer)
+    if not token_limit or not longest:
+        return total
+    bound = token_limit * longest * _NORMALIZER_ROOM
+    for text in texts:
+        if len(text) > bound:
+            raise PromptTooLong(
+                f"prompt: {len(text)} characters cannot fit in {token_limit} tokens (a token of this model "
+                f"is at most {longest} characters); shorten it",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            )
+    return total
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The vocabulary's longest token in characters (computed once per tokenizer), None if unknown."""
+    cached = getattr(tokenizer, "_modelfleet_longest_token", None)
+    if cached is not None:
+        return cached
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    with contextlib.suppress(AttributeError):  # a tokenizer with slots: computed again next time
+        tokenizer._modelfleet_longest_token = longest
+    return longest

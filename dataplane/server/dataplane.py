@@ -21,7 +21,12 @@ from modelfleet.dataplane.manifest import ServingManifest
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.admission import Admission
 from modelfleet.dataplane.server.auth import KeyStore, Principal, RateLimiter
-from modelfleet.dataplane.server.checks import check_request, requested_max_tokens
+from modelfleet.dataplane.server.checks import (
+    check_batch,
+    check_prompt_chars,
+    check_request,
+    requested_max_tokens,
+)
 from modelfleet.dataplane.server.engine_io import engine_max_model_len, merged_events
 from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable, ServerError
 from modelfleet.dataplane.server.generation import CLIENT_GONE, Generation, end_span
@@ -44,6 +49,7 @@ from opentelemetry.trace import Tracer
 log = logging.getLogger("modelfleet.server")
 
 UNKNOWN_MODEL = "_unknown"  # metric label for requests refused before a served model was known
+INLINE_TOKENIZE_CHARS = 16_384  # longer prompt texts are tokenized off the event loop
 
 
 @dataclass
@@ -71,7 +77,7 @@ class DataPlane:
         self.metrics = metrics
         self.tracer = tracer or trace.get_tracer(tr.TRACER_NAME)
         self.rng = rng or random.Random()
-        self.limiter = RateLimiter()
+        self.limiter = RateLimiter(replicas=lambda: settings.replicas)
         self.admission = Admission(settings.max_waiting, cap=settings.max_running)
         metrics.count_admission(self.admission.waiting_by_version)
         self.manifest = ServingManifest()
@@ -164,20 +170,25 @@ class DataPlane:
                 version, decision_shadows = self._route(model_name, pinned, request, ctx)
                 span.set_attribute(tr.VERSION, version)
                 span.set_attribute(tr.RESPONSE_MODEL, f"{model_name}@{version}")
+                check_batch(self.settings, request)
                 self.limiter.acquire(ctx.principal)
                 stack.callback(self.limiter.release, ctx.principal)
                 slot = await stack.enter_async_context(self.manager.lease(model_name, version))
-                prompts = renderer.prompt_token_ids(slot.engine.tokenizer)
+                prompts = await self._tokenize(request, renderer, slot.engine)
                 params = check_request(self.settings, request, prompts, engine_max_model_len(slot.engine))
+                # The key pays for the prompt and the most it may generate before it runs; the rest
+                # is given back when it ends (Generation sets what it used).
+                sequences = len(prompts) * request.n
+                reserved = sum(len(p) for p in prompts) * request.n + params.max_tokens * sequences
+                reservation = self.limiter.reserve(ctx.principal, reserved)
+                stack.callback(self.limiter.settle, reservation)
                 gate = self.admission.gate(model_name, version, engine_max_num_seqs(slot.engine, slot.spec))
                 with self.tracer.start_as_current_span("queue"):
                     self.metrics.queue_waiting.set(self.admission.waiting + 1)
                     try:
-                        await stack.enter_async_context(gate.admit())
+                        await stack.enter_async_context(gate.admit(sequences))
                     finally:
                         self.metrics.queue_waiting.set(self.admission.waiting)
-                num_prompt = sum(len(p) for p in prompts) * request.n
-                self.limiter.charge(ctx.principal, num_prompt)
                 for shadow in decision_shadows:
                     self._mirror(model_name, shadow, prompts, params, request.n)
         except BaseException as exc:
@@ -209,11 +220,20 @@ class DataPlane:
             params=params,
             n=request.n,
             principal=ctx.principal,
+            reservation=reservation,
             model=model_name,
             version=version,
             include_usage=bool(request.stream_options and request.stream_options.include_usage),
             arrived=arrived,
         )
+
+    async def _tokenize(self, request: Any, renderer: Renderer, engine: Any) -> list[list[int]]:
+        """Prompt token ids; a text too long for the model is refused before tokenizing, and a long one
+        is tokenized on a worker thread, so the event loop (every other request, /health) never waits."""
+        chars = check_prompt_chars(self.settings, request, engine.tokenizer, engine_max_model_len(engine))
+        if chars > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(renderer.prompt_token_ids, engine.tokenizer)
+        return renderer.prompt_token_ids(engine.tokenizer)
 
     def _route(
         self, model_name: str, pinned: str | None, request: Any, ctx: RequestContext

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from modelfleet.dataplane.server import tracing as tr
-from modelfleet.dataplane.server.auth import Principal
+from modelfleet.dataplane.server.auth import Principal, Reservation
 from modelfleet.dataplane.server.engine_io import ChoiceEvent, merged_events
 from modelfleet.dataplane.server.errors import EngineFailure, ServerError
 from modelfleet.dataplane.server.model_manager import VersionSlot
@@ -39,6 +39,7 @@ class Generation:
         params,
         n: int,
         principal: Principal,
+        reservation: Reservation | None = None,
         model: str,
         version: str,
         include_usage: bool,
@@ -53,6 +54,7 @@ class Generation:
         self.params = params
         self.n = n
         self.principal = principal
+        self.reservation = reservation
         self.model = model
         self.version = version
         self.include_usage = include_usage
@@ -122,7 +124,6 @@ class Generation:
                                 itl.observe(gap)
                         last_token_at[event.index] = now
                         generated.inc(count)
-                        dp.limiter.charge(self.principal, count)
                     if event.finish_reason == "error":
                         raise EngineFailure(
                             f"the engine failed this request: {event.error or 'unknown error'}"
@@ -158,6 +159,8 @@ class Generation:
             if status == CLIENT_GONE:
                 self.span.set_attribute("modelfleet.client_disconnected", True)
             end_span(self.span, error)
+            if self.reservation is not None:
+                self.reservation.used = num_prompt + num_output
             await self.aclose()
 
     async def aclose(self) -> None:

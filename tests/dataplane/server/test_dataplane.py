@@ -176,21 +176,21 @@ def test_request_limits_at_and_one_past_the_limit(settings, at_limit, one_past, 
 
 
 async def test_prompt_tokens_are_charged_to_the_key(dataplane):
-    """A long prompt with max_tokens=1 costs its prompt tokens too: 40 + 1 tokens against a bucket of 30
-    leaves it 11 below zero, so the key's next request waits ceil(12 * 60 / 30) = 24 s."""
+    """A long prompt with max_tokens=1 costs its prompt tokens too: 20 + 1 of a key's 30 tokens a minute
+    leave 9, too few for a request of 9 + 1, which may run once the first leaves the window (60 s)."""
     from modelfleet.dataplane.server.auth import KeyLimits, Principal, RateLimiter
     from modelfleet.dataplane.server.errors import RateLimited
 
     now = [1000.0]
     dataplane.limiter = RateLimiter(clock=lambda: now[0])
     caller = RequestContext(principal=Principal("team", KeyLimits(tokens_per_minute=30)))
-    request = CompletionRequest(model="m", prompt=[1] * 40, max_tokens=1)
+    request = CompletionRequest(model="m", prompt=[1] * 20, max_tokens=1)
     answer = await (await dataplane.completion(request, caller)).response()
-    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (40, 1)
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (20, 1)
     with pytest.raises(RateLimited) as info:
-        await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=1), caller)
-    assert info.value.headers["Retry-After"] == "24"
-    now[0] += 24  # refilled to 1 token: admitted again
+        await dataplane.completion(CompletionRequest(model="m", prompt=[1] * 9, max_tokens=1), caller)
+    assert info.value.headers["Retry-After"] == "60"
+    now[0] += 60  # the first request left the window: admitted again
     again = await (
         await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=1), caller)
     ).response()
