@@ -17,7 +17,9 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -133,7 +135,7 @@ def build_wheel(work: Path) -> Path:
     return wheel
 
 
-def base_wheelhouse(work: Path, constraints: Path) -> Path:
+def base_wheelhouse(constraints: Path) -> Path:
     """Wheels of the base dependencies but torch, downloaded once per set of versions and kept under
     .modelfleet/: later runs install them without the network."""
     requirements = sorted(r for r in PROJECT["dependencies"] if requirement_name(r) != "torch")
@@ -152,6 +154,11 @@ def base_wheelhouse(work: Path, constraints: Path) -> Path:
             partial.rename(house)  # atomic: a concurrent run's finished download wins
         except OSError:
             shutil.rmtree(partial, ignore_errors=True)
+        # Each change of versions makes a new one (~100 MB): drop those unused for a day.
+        for old in WHEELHOUSE.iterdir():
+            if old != house and time.time() - old.stat().st_mtime > 86400:
+                shutil.rmtree(old, ignore_errors=True)
+    os.utime(house)
     return house
 
 
@@ -180,14 +187,16 @@ def base_install(tmp_path_factory) -> BaseInstall:
     work = tmp_path_factory.mktemp("base-venv")
     wheel = build_wheel(work)
     venv = work / "venv"
-    checked(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
-    checked(python, "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH_PIN}")
-    constraints = environment_pins(work)
-    house = base_wheelhouse(work, constraints)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # A first run's download (network) goes on while torch installs (disk).
+        house = pool.submit(base_wheelhouse, environment_pins(work))
+        checked(sys.executable, "-m", "venv", venv)
+        checked(python, "-m", "pip", "install", "-q", "--no-compile", f"torch=={TORCH_PIN}")
+        house = house.result()
     checked(
         python, "-m", "pip", "install", "-q", "--no-compile", "--no-index", "--find-links", house,
-        "-c", constraints, wheel,
+        "-c", work / "constraints.txt", wheel,
     )  # fmt: skip
     return BaseInstall(venv, wheel, house)
 
