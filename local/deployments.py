@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import shutil
+import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,22 @@ MAX_BACKOFF = 30.0
 
 def _rmtree(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pre_stop(container: pods.Container) -> None:
+    """The container's preStop exec hook, as the kubelet runs it before SIGTERM: the Service has dropped
+    the pod meanwhile, so requests that were on their way still find a server that accepts them."""
+    hook = ((container.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command")
+    if not hook:
+        return
+    try:
+        subprocess.run(
+            processes.argv({"command": hook}, container.mounts.path),
+            cwd=container.folder, timeout=container.extra.get("grace", 30),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("pod %s: preStop hook failed: %s", container.pod, exc)
 
 
 def template_hash(template: dict[str, Any]) -> str:
@@ -134,6 +151,7 @@ class DeploymentController:
         pod = self.kube.apply(pod)
         container = pods.prepare(pod, self.work_dir / "pods" / name, self.pvc_root, port)
         container.extra["ports"] = {declared: port} if declared is not None else {}
+        container.extra["grace"] = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
         replica = Replica(container, meta["uid"], template, port)
         self.replicas[name] = replica
         pods.project_configmaps(self.kube, pod, container)
@@ -216,10 +234,17 @@ class DeploymentController:
         replica.ready = False
         if delete:
             self.kube.delete("v1", "Pod", replica.container.namespace, replica.name)
-        if replica.container.process is not None:
-            folder = replica.container.folder  # its emptyDirs and projected files go with the pod
-            processes.stop(replica.container.process, grace=30, wait=False, after=lambda: _rmtree(folder))
-        log.info("pod %s: stopped", replica.name)
+        container = replica.container
+        if container.process is not None:
+            folder = container.folder  # its emptyDirs and projected files go with the pod
+            processes.stop(
+                container.process,
+                grace=container.extra.get("grace", 30),
+                wait=False,
+                before=lambda: _pre_stop(container),
+                after=lambda: _rmtree(folder),
+            )
+        log.info("pod %s: stopping", replica.name)
 
     def stop_all(self) -> None:
         threads = [

@@ -71,11 +71,18 @@ def group_alive(pgid: int) -> bool:
 
 
 def stop(
-    process: subprocess.Popen, grace: float = 10.0, wait: bool = True, after: Any = None
+    process: subprocess.Popen,
+    grace: float = 10.0,
+    wait: bool = True,
+    after: Any = None,
+    before: Any = None,
 ) -> threading.Thread | None:
-    """Stop a started process and its group, then call `after`; in the background unless `wait`."""
+    """Call `before`, stop a started process and its group, then call `after`; in the background
+    unless `wait`."""
 
     def run() -> None:
+        if before is not None:
+            before()
         stop_group(process.pid, grace, exited=process.poll)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)

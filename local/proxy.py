@@ -32,14 +32,20 @@ class ServiceProxy:
         self.name, self.endpoints, self.host, self.port = name, endpoints, host, port
         self._turn = itertools.count()
         self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=HEAD_LIMIT)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
+        """Stop listening and end the connections still open (their replicas are going too)."""
         if self._server is not None:
             self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
             await self._server.wait_closed()
 
     @property
@@ -47,6 +53,10 @@ class ServiceProxy:
         return f"http://{self.host}:{self.port}"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         try:
             head, body = await _read_request(reader)
             await self._forward(head, body, writer)

@@ -15,7 +15,9 @@ from modelfleet.operator.api import API_VERSION
 MODEL = "chat"
 
 
-def model_yaml(*, w1: int = 70, w2: int = 30, rollout: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def model_yaml(
+    *, w1: int = 70, w2: int = 30, rollout: dict[str, Any] | None = None, idle_unload_after: str | None = None
+) -> list[dict[str, Any]]:
     """Model `chat` on cpu: v1 (the hardware's full-precision torch artifact) and v2 (int8, onnxruntime),
     loaded on first use so that a test can look at an artifact before any server reads it."""
     spec: dict[str, Any] = {
@@ -26,6 +28,8 @@ def model_yaml(*, w1: int = 70, w2: int = 30, rollout: dict[str, Any] | None = N
     }
     if rollout is not None:
         spec["rollout"] = rollout
+    if idle_unload_after is not None:
+        spec["loading"]["idleUnloadAfter"] = idle_unload_after
     return [
         {"apiVersion": API_VERSION, "kind": "InferenceModel", "metadata": {"name": MODEL}, "spec": spec},
         version_doc("v1", "pvc://models/chat/v1"),

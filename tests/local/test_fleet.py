@@ -4,7 +4,6 @@ through the local endpoint. The tests share one fleet and run in file order; the
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
@@ -57,6 +56,34 @@ def assert_split(counts: Counter, weights: dict[str, int]) -> None:
 
 def replica_pids(fleet) -> dict[str, int]:
     return {name: r.container.process.pid for name, r in fleet.deployments.replicas.items()}
+
+
+class Traffic:
+    """Requests to the model in the background, until stopped; counts answers and failures."""
+
+    def __init__(self, fleet) -> None:
+        self.api = client(fleet)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+        self.answered = 0
+        self.failures: list[str] = []
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.api.completions.create(model=MODEL, prompt="Once", max_tokens=1)
+                self.answered += 1
+            except openai.APIError as exc:
+                self.failures.append(str(exc))
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=60)
 
 
 # --- 1. conversion, serving, split ------------------------------------------------------------------------
@@ -192,28 +219,6 @@ def test_a_server_killed_mid_stream_breaks_that_stream_and_is_restarted(fleet):
 ROLLOUT = {"steps": [50, 100], "interval": "1s", "minRequests": 4, "thresholds": {"maxErrorRate": 0.2}}
 
 
-class Traffic:
-    """Requests to the model in the background, until stopped; failures are the servers' business."""
-
-    def __init__(self, fleet) -> None:
-        self.api = client(fleet)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stopped.is_set():
-            with contextlib.suppress(openai.APIError):
-                self.api.completions.create(model=MODEL, prompt="Once", max_tokens=1)
-
-    def __enter__(self) -> Traffic:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.stopped.set()
-        self.thread.join(timeout=60)
-
-
 def rollout_end(fleet, candidate: str) -> str | None:
     """The phase the rollout of `candidate` ended in, None while it runs."""
     state = model(fleet).get("status", {}).get("rollout") or {}
@@ -253,6 +258,33 @@ def test_a_failing_canary_is_rolled_back(fleet, pvc_root: Path):
 def _phase(fleet, name: str) -> str | None:
     mv = fleet.kube.get(API_VERSION, "ModelVersion", "default", name)
     return ((mv or {}).get("status") or {}).get("phase")
+
+
+# --- the pod template changes: the replica is replaced, new one first ---------------------------------------
+
+
+def test_a_pod_template_change_replaces_the_replica_without_failing_a_request(fleet):
+    (old,) = replica_pids(fleet).items()
+    fleet.apply(model_yaml(w1=20, w2=80))  # the rollout's spec goes: the servers get this split back
+    wait_for(lambda: _server_weights(fleet) == {"v1": 20, "v2": 80}, 30, "the servers to drop v3")
+    with Traffic(fleet) as traffic:
+        # idleUnloadAfter is an environment variable of the servers: a new pod template.
+        fleet.apply(model_yaml(w1=20, w2=80, idle_unload_after="1h"))
+
+        def replaced() -> bool:
+            pods = serving_pods(fleet)
+            return (
+                [p["metadata"]["name"] for p in pods] != [old[0]]
+                and len(pods) == 1
+                and all(p["status"]["containerStatuses"][0]["ready"] for p in pods)
+            )
+
+        wait_for(replaced, 120, "the new replica to replace the old one")
+        wait_for(lambda: not alive({old[1]}), 60, "the old server to stop")
+    assert traffic.answered > 0 and traffic.failures == []
+    (new,) = serving_pods(fleet)
+    env = new["spec"]["containers"][0]["env"]
+    assert {"name": "MODELFLEET_IDLE_UNLOAD_SECONDS", "value": "3600"} in env
 
 
 # --- 6. deleting the model ---------------------------------------------------------------------------------
