@@ -200,8 +200,17 @@ def run_down(args: argparse.Namespace) -> int:
         while processes.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
     # Whatever the supervisor could not stop (it was killed, or timed out): stop it here.
-    for pod in (found.get("pods") or {}).values():
-        if pod.get("pid") and processes.group_alive(pod["pid"]):
-            processes.stop_group(pod["pid"], grace=5)
-    print(f"local fleet in {args.work_dir} stopped" if pid else f"no local fleet ran in {args.work_dir}")
+    left = [
+        p["pid"]
+        for p in (found.get("pods") or {}).values()
+        if p.get("pid") and processes.group_alive(p["pid"])
+    ]
+    for pgid in left:
+        processes.stop_group(pgid, grace=5)
+    if pid:
+        print(f"local fleet in {args.work_dir} stopped")
+    elif left:
+        print(f"stopped {len(left)} process group(s) left by a local fleet in {args.work_dir} that had died")
+    else:
+        print(f"no local fleet ran in {args.work_dir}")
     return 0

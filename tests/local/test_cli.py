@@ -50,7 +50,9 @@ def test_a_model_yaml_the_crds_refuse_is_refused_with_the_api_servers_message(tm
     assert not work.exists()  # nothing started, nothing written
 
 
-def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
+def start_up(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """`modelfleet local up` in its own session (as from another shell): model `chat`, whose one
+    version's source is missing, so its conversion fails fast while its server runs."""
     docs = [
         {"apiVersion": API_VERSION, "kind": "InferenceModel", "metadata": {"name": "chat"},
          "spec": {"hardware": {"accelerator": "cpu"}, "traffic": [{"version": "v1", "weight": 100}]}},
@@ -60,24 +62,35 @@ def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
     path = tmp_path / "model.yaml"
     path.write_text(yaml.safe_dump_all(docs))
     work = tmp_path / "work"
-    up = subprocess.Popen(
-        [*MODELFLEET, "up", "-f", str(path), "--work-dir", str(work), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+    with open(tmp_path / "up.log", "w") as log:
+        up = subprocess.Popen(
+            [*MODELFLEET, "up", "-f", str(path), "--work-dir", str(work), "--port", "0"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return up, work, path
+
+
+def failed_and_serving(work: Path) -> dict | None:
+    """The fleet's state once the conversion has failed and a server runs."""
     try:
+        state = json.loads((work / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    phases = {o["metadata"]["name"]: (o.get("status") or {}).get("phase") for o in state.get("objects", [])}
+    served = any(p.get("port") for p in state.get("pods", {}).values())
+    return state if phases.get("chat-v1") == "Failed" and served else None
 
-        def failed_and_serving() -> dict | None:
-            try:
-                state = json.loads((work / "state.json").read_text())
-            except (OSError, ValueError):
-                return None
-            phases = {
-                o["metadata"]["name"]: (o.get("status") or {}).get("phase") for o in state.get("objects", [])
-            }
-            served = any(p.get("port") for p in state.get("pods", {}).values())
-            return state if phases.get("chat-v1") == "Failed" and served else None
 
-        state = wait_for(failed_and_serving, 120, "the conversion to fail and a server to run")
+def stop(up: subprocess.Popen) -> None:
+    if up.poll() is None:
+        os.killpg(up.pid, 9)
+        up.wait()
+
+
+def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
+    up, work, path = start_up(tmp_path)
+    try:
+        state = wait_for(lambda: failed_and_serving(work), 120, "the conversion to fail and a server to run")
         status = local("status", "--work-dir", str(work), "--events")
         assert status.returncode == 0, status.stderr
         lines = status.stdout.splitlines()
@@ -108,6 +121,19 @@ def test_up_status_and_down_from_other_shells_leave_nothing_running(tmp_path):
         wait_for(lambda: not alive(started), 30, "every process of the fleet to stop")
         assert local("status", "--work-dir", str(work)).returncode == 1  # no fleet runs there any more
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, 9)
-            up.wait()
+        stop(up)
+
+
+def test_down_stops_what_a_killed_fleet_left_running(tmp_path):
+    up, work, _ = start_up(tmp_path)
+    try:
+        state = wait_for(lambda: failed_and_serving(work), 120, "a server to run")
+        servers = {p["pid"] for p in state["pods"].values() if p.get("pid")}
+        os.kill(up.pid, 9)  # the supervisor dies without stopping anything
+        up.wait()
+        assert alive(servers)
+        down = local("down", "--work-dir", str(work))
+        assert down.returncode == 0 and "left by a local fleet" in down.stdout, down.stdout
+        wait_for(lambda: not alive(servers), 30, "the orphaned server to stop")
+    finally:
+        stop(up)
