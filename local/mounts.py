@@ -67,13 +67,15 @@ def write_atomically(path: Path, text: str) -> bool:
 
 
 def container_env(container: dict[str, Any], pod: dict[str, Any], mounts: Mounts) -> dict[str, str]:
-    """The container's env: our own process environment (the image's), then the container's variables,
-    with $(VAR) references expanded and fieldRefs to the pod's name and namespace resolved."""
+    """The container's env: our own process environment (the image's, less our own MODELFLEET_ settings),
+    then the container's variables, with $(VAR) references expanded and fieldRefs to the pod's name and
+    namespace resolved."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MODELFLEET_")}
+    defined: dict[str, str] = {}  # $(VAR) names only variables the container defined before
     for entry in container.get("env", []):
         name = entry["name"]
         if "value" in entry:
-            value = _expand(str(entry["value"]), env)
+            value = _expand(str(entry["value"]), defined)
         elif field := (entry.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath"):
             value = {
                 "metadata.name": pod["metadata"]["name"],
@@ -81,7 +83,7 @@ def container_env(container: dict[str, Any], pod: dict[str, Any], mounts: Mounts
             }.get(field, "")
         else:
             continue
-        env[name] = mounts.path(value)
+        env[name] = defined[name] = mounts.path(value)
     return env
 
 

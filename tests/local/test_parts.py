@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from local_fleet import wait_for
 from modelfleet.local.columns import evaluate, table
 from modelfleet.local.jobs import JobController
-from modelfleet.local.mounts import Mounts
+from modelfleet.local.mounts import Mounts, container_env
 from modelfleet.local.proxy import ServiceProxy
 from modelfleet.local.store import LocalKube
 from modelfleet.operator.api import API_VERSION
@@ -249,3 +249,19 @@ def test_a_failing_job_is_retried_up_to_its_backoff_limit_and_falls_back_to_its_
             "boom: the tail of the log"
             in pod["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
         )
+
+
+def test_container_env_expands_references_and_resolves_the_pods_name(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MODELFLEET_PORT", "1")  # the user's own settings stay out of the pods
+    container = {
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "ATTRS", "value": "pod=$(POD_NAME),later=$(LATER)"},
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "LATER", "value": "x"},
+        ]
+    }
+    pod = {"metadata": {"name": "chat-abc", "namespace": "default"}}
+    env = container_env(container, pod, Mounts({"/tmp": tmp_path}))
+    assert env["ATTRS"] == "pod=chat-abc,later=$(LATER)"  # only variables defined before expand
+    assert env["HOME"] == str(tmp_path) and "MODELFLEET_PORT" not in env
