@@ -45,6 +45,11 @@ def claim(work_dir: Path) -> None:
         raise ValueError(
             f"a local fleet already runs in {work_dir} (pid {pid}); `modelfleet local down` first"
         )
+    left = [p["pid"] for p in ((read(work_dir) or {}).get("pods") or {}).values() if p.get("pid")]
+    if any(processes.group_alive(pgid) for pgid in left):
+        raise ValueError(
+            f"processes of a local fleet that died still run in {work_dir}; `modelfleet local down` first"
+        )
     write(work_dir, {})
 
 

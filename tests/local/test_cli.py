@@ -132,6 +132,8 @@ def test_down_stops_what_a_killed_fleet_left_running(tmp_path):
         os.kill(up.pid, 9)  # the supervisor dies without stopping anything
         up.wait()
         assert alive(servers)
+        again = local("up", "-f", str(tmp_path / "model.yaml"), "--work-dir", str(work), "--port", "0")
+        assert again.returncode == 2 and "`modelfleet local down` first" in again.stderr, again.stderr
         down = local("down", "--work-dir", str(work))
         assert down.returncode == 0 and "left by a local fleet" in down.stdout, down.stdout
         wait_for(lambda: not alive(servers), 30, "the orphaned server to stop")
