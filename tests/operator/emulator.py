@@ -31,12 +31,18 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._versions = itertools.count(1000)
         self._latest = 1000
+        self._writes: list[str] = []
 
     def _next_version(self) -> str:
         self._latest = next(self._versions)
         return str(self._latest)
 
     async def _handle(self, request: Any) -> Any:
+        # kmock keeps every request and matches each new one against all of them (fine for a test of a
+        # few dozen, quadratic for a fleet): keep only the one in hand, and a log of the writes.
+        del self._requests[:-1]
+        if request.method.value in WRITES:
+            self._writes.append(f"{request.method.value} {request.url.path}")
         if request.resource is None or request.method.value not in ("POST", "PATCH", "PUT"):
             return await super()._handle(request)
         if request.method.value == "POST":
@@ -118,9 +124,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         for resource in list(self._buses):
             await self._buses[resource].put(gone)
 
-    def writes(self) -> list[Any]:
-        """Requests that could change something: creates, patches, updates, deletes."""
-        return [r for r in list(self) if r.method.value in WRITES]
+    def writes(self) -> list[str]:
+        """Requests that could change something ("METHOD /path"): creates, patches, updates, deletes."""
+        return list(self._writes)
 
 
 def _status(code: int, reason: str, message: str) -> Any:
