@@ -33,6 +33,7 @@ from modelfleet.dataplane.server.generation import CLIENT_GONE, Generation, end_
 from modelfleet.dataplane.server.loading import engine_max_num_seqs
 from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.model_manager import LoadState, ModelManager, VersionSpec
+from modelfleet.dataplane.server.peers import ReplicaCount
 from modelfleet.dataplane.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,7 +78,10 @@ class DataPlane:
         self.metrics = metrics
         self.tracer = tracer or trace.get_tracer(tr.TRACER_NAME)
         self.rng = rng or random.Random()
-        self.limiter = RateLimiter(replicas=lambda: settings.replicas)
+        self.replicas = ReplicaCount(
+            settings.replicas, settings.peers_dns, poll_seconds=settings.peers_poll_seconds
+        )
+        self.limiter = RateLimiter(replicas=self.replicas)
         self.admission = Admission(settings.max_waiting, cap=settings.max_running)
         metrics.count_admission(self.admission.waiting_by_version)
         self.manifest = ServingManifest()

@@ -71,6 +71,7 @@ def build_app(
             log.info("API keys checked against %s", settings.api_key_file)
         dataplane.apply_manifest(manifest)
         dataplane.manager.start()
+        dataplane.replicas.start()
         watcher = None
         if manifest_path is not None:
             watcher = ManifestWatcher(
@@ -85,6 +86,7 @@ def build_app(
         finally:
             if watcher is not None:
                 await watcher.stop()
+            await dataplane.replicas.stop()
             await dataplane.close()
 
     return create_app(dataplane, lifespan=lifespan)

@@ -46,7 +46,11 @@ class ServerSettings(BaseSettings):
 
     # What a client may hold and for how long: no connection, body or admission place is held by a
     # client that is slow or gone. Bodies past the limit get 413 before they are read.
-    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_request_body_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        description="larger bodies (and WebSocket messages) are refused, 413",
+    )
     header_timeout_seconds: float = Field(default=10.0, gt=0, description="connection open to request head")
     body_timeout_seconds: float = Field(default=30.0, gt=0, description="request head to the body's end")
     keep_alive_timeout_seconds: float = Field(default=5.0, gt=0, description="idle between requests")
@@ -55,5 +59,10 @@ class ServerSettings(BaseSettings):
     )
     max_batch_prompts: int = Field(default=64, ge=1, description="prompts in one completion request")
 
-    # Per-key limits are shared by the replicas serving a model: each enforces 1/replicas of them.
-    replicas: int = Field(default=1, ge=1)
+    # Per-key limits are shared by the replicas serving a model: each enforces 1/replicas of them. The
+    # count is `replicas`, or the live number of addresses of `peers_dns` (a headless Service's name).
+    replicas: int = Field(default=1, ge=1, description="servers sharing each API key's limits")
+    peers_dns: str | None = Field(
+        default=None, description="a headless Service whose addresses count the replicas (live)"
+    )
+    peers_poll_seconds: float = Field(default=10.0, gt=0, description="how often peers_dns is resolved")

@@ -110,6 +110,10 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
         env.append({"name": "MODELFLEET_IDLE_UNLOAD_SECONDS", "value": str(seconds)})
     if settings.dataplane_api_keys_secret:
         env.append({"name": "MODELFLEET_API_KEY_FILE", "value": f"{API_KEYS_DIR}/keys"})
+    # Each pod enforces its share of every API key's limits. Under an HPA, the share of the most pods
+    # there may be: a key never gets more than its limit, but less while the model is scaled in.
+    replicas = spec.replicas.max if autoscaled(spec) else max(spec.replicas.min, 1)
+    env.append({"name": "MODELFLEET_REPLICAS", "value": str(replicas)})
     return env
 
 
