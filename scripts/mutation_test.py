@@ -67,10 +67,13 @@ MODULES: dict[str, Module] = {
         ("tests/dataplane/engine/test_block_manager.py", "tests/dataplane/engine/test_scheduler.py"),
     ),
     "router": Module("dataplane/server/router.py", (f"{SERVER}/test_router.py",)),
-    "admission": Module("dataplane/server/admission.py", (f"{SERVER}/test_auth.py",)),
+    "admission": Module(
+        "dataplane/server/admission.py",
+        (f"{SERVER}/test_auth.py", f"{SERVER}/test_admission_gates.py", f"{SERVER}/test_batch_admission.py"),
+    ),
     "limiter": Module(
         "dataplane/server/auth.py",
-        (f"{SERVER}/test_auth.py",),
+        (f"{SERVER}/test_auth.py", f"{SERVER}/test_batch_admission.py", f"{SERVER}/test_dataplane.py"),
         scope=("RateLimiter", "KeyStore.authenticate"),
     ),
     # The facade's per-request steps: route, key limits (the prompt-token charge), checks, admission.

@@ -244,3 +244,32 @@ def test_no_admission_in_a_step_that_had_to_preempt():
     out = step(sched)
     assert out.preempted_request_ids == []
     assert plan(out) == [("a", 5, 1), ("c", 0, 2)]
+
+
+def test_unfinished_and_empty_steps_are_reported():
+    sched = make_scheduler(max_num_seqs=1)
+    assert not sched.has_unfinished() and sched.num_unfinished == 0
+    assert sched.schedule().is_empty
+    a = add(sched, "a", 3, max_tokens=1)
+    b = add(sched, "b", 3, first=100, max_tokens=1)
+    assert sched.has_unfinished()  # waiting only
+    out = sched.schedule()
+    assert not out.is_empty and plan(out) == [("a", 0, 3)]
+    assert (len(sched.running), len(sched.waiting)) == (1, 1)
+    sched.update(out, [NEXT_TOKEN])
+    assert a.is_finished
+    assert sched.has_unfinished() and sched.num_unfinished == 1
+    step(sched)
+    assert b.is_finished and not sched.has_unfinished()
+
+
+def test_first_token_time_is_the_first_tokens():
+    sched = make_scheduler()
+    a = add(sched, "a", 3)
+    assert a.first_token_time is None
+    step(sched)
+    first = a.first_token_time
+    assert first is not None
+    step(sched)
+    step(sched)
+    assert a.first_token_time == first and len(a.output_token_ids) == 3

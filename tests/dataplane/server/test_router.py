@@ -142,3 +142,60 @@ def test_long_version_names_with_a_common_prefix_hash_independently():
     t = table({a: 50, b: 50}, sticky="user")
     keys = [f"k{i}" for i in range(4000)]
     assert within(sum(sticky_choice(t, k) == a for k in keys), len(keys), 0.5)
+
+
+class FixedDraws(random.Random):
+    """An rng whose random() returns the given values in turn."""
+
+    def __init__(self, *draws: float) -> None:
+        super().__init__()
+        self.draws = list(draws)
+
+    def random(self) -> float:
+        return self.draws.pop(0)
+
+
+def test_weighted_interval_edges_belong_to_the_next_version():
+    """Version i owns draws in [cumulative[i-1], cumulative[i]) / total: a zero-weight version owns none,
+    not even its own edge."""
+    from modelfleet.dataplane.server.router import weighted_choice
+
+    t = table({"a": 50, "b": 50})
+    assert [weighted_choice(t, d) for d in (0.0, 0.4999, 0.5, 0.9999)] == ["a", "a", "b", "b"]
+    assert weighted_choice(table({"off": 0, "on": 100}), 0.0) == "on"
+    assert weighted_choice(table({"a": 30, "off": 0, "c": 70}), 0.3) == "c"
+
+
+def test_sticky_routing_never_picks_a_zero_weight_version():
+    t = table({"off": 0, "on": 100}, sticky="user")
+    assert {sticky_choice(t, f"user-{i}") for i in range(200)} == {"on"}
+    with pytest.raises(RouteError) as info:
+        sticky_choice(table({"a": 0, "b": 0}, sticky="user"), "alice")
+    assert info.value.status == 503
+
+
+def test_only_versions_with_a_shadow_share_are_shadows():
+    t = table({"a": 50, "b": 50, "c": 0}, shadow={"c": 25})
+    assert t.shadows == (("c", 25),)
+    assert table({"a": 50, "b": 50}).shadows == ()
+
+
+def test_shadow_share_is_half_open():
+    """A copy goes to a shadow when 100 * draw < percent: a draw of exactly percent/100 sends none."""
+    t = table({"a": 100, "b": 0}, shadow={"b": 25})
+    assert route(t, rng=FixedDraws(0.0, 0.2499)).shadows == ("b",)
+    assert route(t, rng=FixedDraws(0.0, 0.25)).shadows == ()
+
+
+def test_a_header_name_without_header_stickiness_is_ignored():
+    plain = RoutingTable(
+        model="chat",
+        versions=("a",),
+        weights=(100,),
+        cumulative=(100,),
+        sticky_kind="none",
+        sticky_header="x-session-id",
+        shadows=(),
+        salts=(b"a",),
+    )
+    assert sticky_key(plain, user="alice", headers={"x-session-id": "s1"}) is None
