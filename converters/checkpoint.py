@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from modelfleet.converters import progress
+from modelfleet.converters.confine import index_shards, regular_file
 from modelfleet.converters.errors import BadInputError
 from modelfleet.dataplane.models.config import (
     SUPPORTED_ARCHITECTURES,
@@ -74,26 +76,22 @@ def read_checkpoint(path: Path) -> Checkpoint:
     """Check config.json and every safetensors file before any work: one clear line for each problem."""
     config = read_config(path)
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise BadInputError(f"source model.safetensors.index.json is corrupt: {exc}") from None
-        shard_names = sorted(set(weight_map.values()))
-    elif (path / "model.safetensors").exists():
+    if os.path.lexists(index):  # shard names are plain file names, each read only inside `path`
+        shard_names = index_shards(regular_file(path, index.name))
+    elif os.path.lexists(path / "model.safetensors"):
         shard_names = ["model.safetensors"]
     else:
         raise BadInputError(f"source {path} has no model.safetensors (or index); only safetensors are read")
-    shards = {name: check_safetensors(path / name) for name in shard_names}
+    shards = {name: check_safetensors(regular_file(path, name, "source shard")) for name in shard_names}
     return Checkpoint(path, config, shards)
 
 
 def read_config(path: Path) -> dict:
     config_path = path / "config.json"
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise BadInputError(f"source {path} has no config.json; is it a Hugging Face model folder?")
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(regular_file(path, config_path.name).read_text())
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadInputError(f"source config.json is not valid JSON ({exc}); re-export the model") from None
     if not isinstance(config, dict):
@@ -115,6 +113,8 @@ def read_config(path: Path) -> dict:
         ModelConfig.from_hf_dict(config)
     except (UnsupportedModelError, ConfigError) as exc:
         raise BadInputError(f"source {str(exc).splitlines()[0]}") from None
+    except (ValueError, TypeError) as exc:  # a value of the wrong type: float("x"), dict("x")
+        raise BadInputError(f"source config.json has a value of the wrong type ({exc})") from None
     return config
 
 
@@ -126,11 +126,11 @@ def check_safetensors(path: Path) -> list[str]:
     try:
         with path.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > size - 8:
-                raise ValueError("header runs past the end of the file")
+            if header_len > min(size - 8, 100 << 20):  # the format caps headers at 100 MB
+                raise ValueError(f"header length {header_len} is past the end of the file or over 100 MB")
             header = json.loads(f.read(header_len))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BadInputError(f"source {path.name} is not a valid safetensors file ({exc})") from None
     if 8 + header_len + end != size:
         raise BadInputError(
@@ -142,8 +142,8 @@ def check_safetensors(path: Path) -> list[str]:
 
 def copy_side_files(source: Path, dest: Path) -> None:
     for name in SIDE_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, dest / name)
+        if os.path.lexists(source / name):  # a symlink out of `source` or a FIFO is refused, not copied
+            shutil.copyfile(regular_file(source, name), dest / name)
 
 
 def write_torch(ckpt: Checkpoint, dest: Path, *, dtype: str, quant: str | None, serving_dtype: str) -> None:

@@ -1,17 +1,27 @@
-"""Streamed HTTP(S) downloads that resume with Range after a broken connection and check a sha256."""
+"""Streamed HTTP(S) downloads that resume with Range after a broken connection and check a sha256.
+
+Every request goes to an address the host policy checked (hosts.py); redirects are followed by hand, at
+most MAX_REDIRECTS hops, each checked the same way before anything is sent to it.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urljoin
 
 import httpx
 from modelfleet.converters import progress
 from modelfleet.converters.errors import BadInputError, ConversionError
+from modelfleet.converters.hosts import HostPolicy, pinned_request
 
 CHUNK = 1 << 20
 ATTEMPTS = 5
+MAX_REDIRECTS = 5
+REDIRECTS = (301, 302, 303, 307, 308)
 
 
 class NotFound(Exception):
@@ -26,20 +36,34 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download(url: str, dest: Path, *, sha256: str | None = None, client: httpx.Client | None = None) -> Path:
+def new_client() -> httpx.Client:
+    """The client for source downloads: redirects are ours to follow (see `_open`)."""
+    return httpx.Client(follow_redirects=False, timeout=httpx.Timeout(30.0, read=120.0))
+
+
+def download(
+    url: str,
+    dest: Path,
+    *,
+    sha256: str | None = None,
+    client: httpx.Client | None = None,
+    policy: HostPolicy | None = None,
+) -> Path:
     """Fetch `url` into `dest`. Bytes land in `dest.part` first; a retry (or a later run of the Job) asks
     the server for the rest with a Range header, so a dropped connection costs only what was not yet read.
+    `policy` (default: from the environment) says which hosts may be reached.
     """
+    policy = policy or HostPolicy.from_env()
     if dest.exists() and (sha256 is None or sha256_file(dest) == sha256):
         return dest
     part = dest.with_name(dest.name + ".part")
     dest.parent.mkdir(parents=True, exist_ok=True)
     own_client = client is None
-    client = client or httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, read=120.0))
+    client = client or new_client()
     try:
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                _fetch(client, url, part)
+                _fetch(client, url, part, policy)
                 break
             except (httpx.TransportError, _ShortRead) as exc:
                 if attempt == ATTEMPTS:
@@ -66,10 +90,33 @@ class _ShortRead(Exception):
     pass
 
 
-def _fetch(client: httpx.Client, url: str, part: Path) -> None:
+@contextmanager
+def _open(
+    client: httpx.Client, url: str, headers: dict[str, str], policy: HostPolicy
+) -> Iterator[httpx.Response]:
+    """GET `url`, following redirects one checked hop at a time; yields the final response, streaming."""
+    for _ in range(MAX_REDIRECTS + 1):
+        response = client.send(pinned_request(client, url, headers, policy), stream=True)
+        try:
+            location = response.headers.get("location")
+            if response.status_code not in REDIRECTS or not location:
+                yield response
+                return
+        finally:
+            response.close()
+        target = urljoin(url, location)
+        try:
+            policy.address(httpx.URL(target))
+        except BadInputError as exc:
+            raise BadInputError(f"redirect from {url} to {target} refused: {exc}") from None
+        url = target
+    raise BadInputError(f"GET {url}: more than {MAX_REDIRECTS} redirects")
+
+
+def _fetch(client: httpx.Client, url: str, part: Path, policy: HostPolicy) -> None:
     have = part.stat().st_size if part.exists() else 0
     headers = {"Range": f"bytes={have}-"} if have else {}
-    with client.stream("GET", url, headers=headers) as response:
+    with _open(client, url, headers, policy) as response:
         if response.status_code == 404:
             raise NotFound(url)
         if response.status_code == 416:  # we already hold every byte

@@ -14,11 +14,13 @@ import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import httpx
-from modelfleet.converters.download import NotFound, download, sha256_file
+from modelfleet.converters.confine import check_name, index_shards, regular_files
+from modelfleet.converters.download import NotFound, download, new_client, sha256_file
 from modelfleet.converters.errors import BadInputError, ToolMissingError
+from modelfleet.converters.hosts import HostPolicy
 
 SCHEMES = ("file", "pvc", "http", "https", "s3")
 PVC_ROOT_ENV = "MODELFLEET_PVC_ROOT"
@@ -46,11 +48,16 @@ def pvc_root() -> Path:
 
 
 def pvc_path(uri: str) -> Path:
-    """pvc://CLAIM/PATH -> <pvc root>/CLAIM/PATH: the operator mounts each claim under the root by name."""
+    """pvc://CLAIM/PATH -> <pvc root>/CLAIM/PATH: the operator mounts each claim under the root by name.
+    The path, symlinks resolved, must stay inside the claim's folder: `..` cannot reach another claim."""
     parsed = urlparse(uri)
     if not parsed.netloc:
         raise BadInputError(f"source URI {uri!r} names no claim; use pvc://CLAIM/PATH")
-    return pvc_root() / parsed.netloc / parsed.path.lstrip("/")
+    claim = pvc_root() / check_name(parsed.netloc, f"source URI {uri!r} claim")
+    path = claim / parsed.path.lstrip("/")
+    if not path.resolve().is_relative_to(claim.resolve()):
+        raise BadInputError(f"source URI {uri!r} leads out of its claim's folder {claim}")
+    return path
 
 
 def to_pvc_uri(path: Path) -> str | None:
@@ -65,11 +72,13 @@ def to_pvc_uri(path: Path) -> str | None:
 def folder_digest(folder: Path, exclude: tuple[str, ...] = ()) -> tuple[str, list[dict]]:
     """("sha256:<hex>", [{path, sha256, size}]) over every file under `folder`, sorted by path."""
     files = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder).as_posix()
-        if rel in exclude or rel.startswith(".") or "/." in rel:
+    for rel, path in regular_files(folder):  # refuses symlinks out of the folder, FIFOs, devices
+        if rel in exclude:
             continue
-        files.append({"path": rel, "sha256": sha256_file(path), "size": path.stat().st_size})
+        try:
+            files.append({"path": rel, "sha256": sha256_file(path), "size": path.stat().st_size})
+        except OSError as exc:
+            raise BadInputError(f"{rel} in {folder} cannot be read ({exc.strerror or exc})") from None
     listing = "".join(f"{f['sha256']}  {f['path']}\n" for f in files)
     return "sha256:" + hashlib.sha256(listing.encode()).hexdigest(), files
 
@@ -106,7 +115,9 @@ def _local(uri: str, path: Path, expected: str | None, cache_dir: Path) -> Sourc
         _check_digest(uri, digest, expected)
         return Source(uri, _extract(path, cache_dir / digest.removeprefix("sha256:")), digest)
     if not path.is_dir():
-        raise BadInputError(f"source {uri} is a file; give the model's folder (with config.json) or a .tar")
+        raise BadInputError(
+            f"source {uri} is not a folder; give the model's folder (with config.json) or a .tar"
+        )
     digest, _ = folder_digest(path)
     _check_digest(uri, digest, expected)
     return Source(uri, path, digest)
@@ -122,6 +133,7 @@ def _extract(archive: Path, dest: Path) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(staging, filter="data")  # refuses absolute paths, .. and links out of the folder
     except (tarfile.TarError, OSError) as exc:
+        shutil.rmtree(staging, ignore_errors=True)
         raise BadInputError(f"source archive {archive.name} cannot be read: {exc}") from None
     # An archive of one top folder is that folder.
     entries = list(staging.iterdir())
@@ -134,52 +146,50 @@ def _extract(archive: Path, dest: Path) -> Path:
 
 def _http(uri: str, expected: str | None, cache_dir: Path) -> Source:
     key = hashlib.sha256(uri.encode()).hexdigest()[:16]
-    with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, read=120.0)) as client:
+    policy = HostPolicy.from_env()
+    policy.address(httpx.URL(uri))  # a refused host is refused before anything is written
+    with new_client() as client:
         if urlparse(uri).path.endswith(ARCHIVE_SUFFIXES):
-            name = urlparse(uri).path.rsplit("/", 1)[-1]
-            archive = _get(client, uri, cache_dir / key / name, expected)
+            name = check_name(urlparse(uri).path.rsplit("/", 1)[-1], "source archive")
+            archive = _get(client, uri, cache_dir / key / name, policy, expected)
             digest = "sha256:" + (expected or sha256_file(archive))
             return Source(uri, _extract(archive, cache_dir / key / "model"), digest)
         base = uri.rstrip("/") + "/"
         folder = cache_dir / key / "model"
-        _get(client, base + "config.json", folder / "config.json")
+        _get(client, base + "config.json", folder / "config.json", policy)
         for name in OPTIONAL_FILES:
             with contextlib.suppress(NotFound):  # optional files
-                _get(client, base + name, folder / name, required=False)
+                _get(client, base + name, folder / name, policy, required=False)
         try:
             name = "model.safetensors.index.json"
-            index = _get(client, base + name, folder / name, required=False)
+            index = _get(client, base + name, folder / name, policy, required=False)
         except NotFound:
-            _get(client, base + "model.safetensors", folder / "model.safetensors")
+            _get(client, base + "model.safetensors", folder / "model.safetensors", policy)
         else:
-            for shard in sorted(set(_read_index(index).values())):
-                _get(client, base + shard, folder / shard)
+            for shard in index_shards(index):  # plain file names, checked before any is fetched
+                _get(client, base + quote(shard), folder / shard, policy)
     digest, _ = folder_digest(folder)
     _check_digest(uri, digest, expected)
     return Source(uri, folder, digest)
 
 
 def _get(
-    client: httpx.Client, url: str, dest: Path, sha256: str | None = None, required: bool = True
+    client: httpx.Client,
+    url: str,
+    dest: Path,
+    policy: HostPolicy,
+    sha256: str | None = None,
+    required: bool = True,
 ) -> Path:
     """Download one file; a 404 is BadInputError when the file is required, else NotFound for the caller."""
     try:
-        return download(url, dest, sha256=sha256, client=client)
+        return download(url, dest, sha256=sha256, client=client, policy=policy)
     except NotFound:
         if required:
             raise BadInputError(f"GET {url} answered HTTP 404; check the source URI") from None
         raise
     except httpx.HTTPError as exc:
         raise BadInputError(f"cannot fetch {url}: {exc}") from None
-
-
-def _read_index(index: Path) -> dict[str, str]:
-    import json
-
-    try:
-        return json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError) as exc:
-        raise BadInputError(f"source {index.name} is not a safetensors index: {exc}") from None
 
 
 def _s3(uri: str, expected: str | None, cache_dir: Path) -> Source:
