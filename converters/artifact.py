@@ -3,7 +3,9 @@ and the compact JSON summary the operator reads from the Job's termination messa
 
 from __future__ import annotations
 
+import glob
 import json
+import shutil
 import tempfile
 from datetime import UTC, datetime
 from importlib import metadata
@@ -40,7 +42,12 @@ def existing_manifest(out: Path) -> dict | None:
 
 
 def staging_dir(out: Path) -> Path:
+    """A fresh staging folder beside `out`. A run killed outright (SIGKILL, OOM) cannot clean up after
+    itself, so the staging folders an earlier run left for this `out` go first: one conversion per --out
+    at a time (the operator runs one Job per target)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
 
 

@@ -2,19 +2,46 @@
 
 The last stdout line is a compact JSON summary (also written to --termination-log or
 $MODELFLEET_TERMINATION_LOG, the container's termination-message path); logs and progress go to stderr.
-Exit codes: 0 published, 1 conversion failed, 2 bad input, 3 a needed tool is missing, 4 validation failed.
+Every failure prints one `error: ...` line on stderr and a summary with "ok": false and the "reason", never
+a traceback, and exits with one of EXIT_CODES; nothing is published (the staging folder is removed).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 from modelfleet.converters.formats import ACCELERATORS, DTYPES, FORMATS
 
 TERMINATION_LOG_ENV = "MODELFLEET_TERMINATION_LOG"
+# The operator reads these (operator/reconcile/conversion.py): 1 may be transient and is retried.
+EXIT_CODES = {
+    0: "published (or already published by an earlier run)",
+    1: "conversion failed (an I/O or network error, or an unexpected one; may be transient)",
+    2: "bad input: the source, the arguments or a setting is wrong",
+    3: "a tool this conversion needs is not installed (TensorRT, s3fs)",
+    4: "validation failed: the artifact does not match its source",
+    130: "interrupted (SIGINT)",
+    143: "terminated (SIGTERM)",
+}
+EPILOG = (
+    "exit codes:\n"
+    + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES.items())
+    + (
+        "\n\nhttp(s) sources: private, loopback and link-local hosts are refused unless listed in "
+        "MODELFLEET_SOURCE_ALLOW_HOSTS (see converters/README.md)."
+    )
+)
+
+
+class Terminated(BaseException):
+    """SIGTERM (a Job's deadline, a deleted pod): unwinds like Ctrl-C, so the staging folder is removed."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +50,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="convert a model into a validated per-hardware artifact",
         description="Convert a Hugging Face safetensors model into an artifact for one hardware class, "
         "validate it against the source and publish it atomically.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.error = functools.partial(_usage_error, parser)  # type: ignore[method-assign]  (a summary too)
     parser.add_argument(
         "--source", required=True, help="file://, a folder, pvc://CLAIM/PATH, http(s)://, s3://"
     )
@@ -40,6 +70,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--termination-log", type=Path, default=os.environ.get(TERMINATION_LOG_ENV) or None,
                         help=f"also write the summary here (default: ${TERMINATION_LOG_ENV})")  # fmt: skip
     parser.set_defaults(func=run)
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """An argument error: argparse's usage line, then the one error line and the failed summary."""
+    parser.print_usage(sys.stderr)
+    print(f"error: {message}", file=sys.stderr)
+    from modelfleet.converters import artifact
+
+    target = {"accelerator": None, "format": None, "dtype": None}
+    line = artifact.summary_line(artifact.summary(ok=False, target=target, reason=message))
+    _report(line, os.environ.get(TERMINATION_LOG_ENV))
+    sys.exit(2)
+
+
+def _report(line: str, termination_log: str | Path | None) -> None:
+    if termination_log:
+        try:
+            Path(termination_log).write_text(line + "\n")
+        except OSError as exc:
+            print(f"warning: cannot write termination log {termination_log}: {exc}", file=sys.stderr)
+    print(line, flush=True)
+
+
+def _terminate(signum: int, frame: object) -> NoReturn:
+    raise Terminated
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,22 +117,33 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         force=args.force,
     )
-    code = 0
+    code, validation = 0, None
+    # Only the main thread may set a handler (an in-process caller on another thread keeps its own).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         result = convert(request)
     except ConversionError as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {reason}", file=sys.stderr)
+        reason, code = _first_line(exc), exc.exit_code
         validation = exc.validation if isinstance(exc, ValidationFailedError) else None
-        result = artifact.summary(ok=False, target=target, validation=validation, reason=reason)
-        code = exc.exit_code
     except KeyboardInterrupt:
-        result, code = artifact.summary(ok=False, target=target, reason="interrupted"), 130
-    line = artifact.summary_line(result)
-    if args.termination_log:
-        try:
-            Path(args.termination_log).write_text(line + "\n")
-        except OSError as exc:
-            print(f"warning: cannot write termination log {args.termination_log}: {exc}", file=sys.stderr)
-    print(line, flush=True)
+        reason, code = "interrupted", 130
+    except Terminated:
+        reason, code = "terminated (SIGTERM)", 143
+    except OSError as exc:  # a disk, a mount or the network failed under us: perhaps transient
+        reason, code = _first_line(exc), 1
+    except Exception as exc:  # a bug or a case no check foresaw: still one line and a summary
+        reason, code = f"unexpected {type(exc).__name__}: {_first_line(exc)}", 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if code:
+        print(f"error: {reason}", file=sys.stderr)
+        result = artifact.summary(ok=False, target=target, validation=validation, reason=reason)
+    _report(artifact.summary_line(result), args.termination_log)
     return code
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

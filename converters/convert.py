@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from modelfleet.converters import artifact, candidates, progress, sources, validate
+from modelfleet.converters import artifact, candidates, preflight, progress, sources, validate
 from modelfleet.converters.checkpoint import (
     TORCH_DTYPES,
     Checkpoint,
@@ -78,13 +78,14 @@ def convert(request: Request) -> dict:
     artifact.check_destination(out, request.force)
 
     ckpt = read_checkpoint(source.path)
+    token_ids = preflight.check(ckpt)  # what would fail later with a library's traceback fails here
     staging = artifact.staging_dir(out)
-    try:
+    try:  # whatever happens (an error, Ctrl-C, SIGTERM), the staging folder goes and nothing is published
         started = time.monotonic()
         _build(ckpt, target, staging, cache_dir / f"onnx-fp32-{source.digest.removeprefix('sha256:')[:16]}")
         conversion_seconds = time.monotonic() - started
         started = time.monotonic()
-        validation = _validate(ckpt, target, staging)
+        validation = _validate(ckpt, target, staging, token_ids)
         validation["seconds"] = round(time.monotonic() - started, 2)
         if not validation["passed"]:
             raise ValidationFailedError(
@@ -161,8 +162,10 @@ def _fp32_onnx(ckpt: Checkpoint, folder: Path) -> Path:
     return folder
 
 
-def _validate(ckpt: Checkpoint, target: Target, staging: Path) -> dict:
-    prompts, text = validate.token_ids(ckpt.path, ckpt.config["vocab_size"])
+def _validate(
+    ckpt: Checkpoint, target: Target, staging: Path, token_ids: tuple[list[list[int]], list[int]]
+) -> dict:
+    prompts, text = token_ids
     reference = validate.reference(ckpt.path)
     if target.format == "torch" and target.dtype in ("int8", "fp8"):
         cand, how = candidates.quantized_candidate(
