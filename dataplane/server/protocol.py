@@ -31,6 +31,8 @@ def _first_non_utf8(value: Any, path: str) -> str | None:
             if found:
                 return found
     elif isinstance(value, list):
+        if set(map(type, value)) <= {int}:  # token ids: nothing to check; passed over in C, not item by item
+            return None
         for index, item in enumerate(value):
             found = _first_non_utf8(item, f"{path}[{index}]")
             if found:
