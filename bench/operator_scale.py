@@ -384,7 +384,7 @@ async def run(args: argparse.Namespace, where: Emulated | Real) -> dict[str, Any
         done: dict[str, float] = {}
         wanted = {f"m{i:04d}": expected_children(f"m{i:04d}", i % 2 == 0) for i in range(args.models)}
         start = time.monotonic()
-        cpu0 = operator.ps.cpu_times()
+        cpu0, metrics0 = operator.ps.cpu_times(), operator.metrics()
         for index, name in enumerate(wanted):
             await asyncio.sleep(max(0.0, start + index / args.rate - time.monotonic()))
             im, mv = model(namespace, name, index % 2 == 0)
@@ -396,8 +396,10 @@ async def run(args: argparse.Namespace, where: Emulated | Real) -> dict[str, Any
         while len(done) < len(wanted) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
             _check(where.children(), wanted, created, done)
-        cpu1 = operator.ps.cpu_times()
+        cpu1, metrics1 = operator.ps.cpu_times(), operator.metrics()
         creation_s = time.monotonic() - start
+        made = {key: metrics1.get(key, 0.0) - metrics0.get(key, 0.0) for key in metrics1}
+        requests = sum(v for k, v in made.items() if k.startswith("api_"))
         latencies = [done[m] - created[m] for m in done]
 
         await asyncio.sleep(args.settle)
@@ -425,6 +427,9 @@ async def run(args: argparse.Namespace, where: Emulated | Real) -> dict[str, Any
             "creation": {
                 "wall_s": round(creation_s, 1),
                 "cpu_percent_of_core": round(100 * busy / creation_s, 1),
+                "reconciles": int(made.get("reconciles", 0)),
+                "api_requests_per_reconcile": round(requests / max(1.0, made.get("reconciles", 0)), 1),
+                "skipped_triggers": {k[8:]: int(v) for k, v in made.items() if k.startswith("skipped_")},
             },
             "rest": {**rest, "goal_cpu_percent_of_core": 5.0},
             "baseline_no_models": baseline,

@@ -83,15 +83,18 @@ def _run(
     model: str,
     work: Callable[[], Any],
     received: float | None = None,
+    event_body: Any = None,
 ) -> None:
-    """Run `work` in the model's turn, unless a reconcile begun after `received` already covered it.
-    `received` None: the trigger is not a plain reconcile (a rollout step) and always runs."""
+    """Run `work` in the model's turn, unless a reconcile begun after `received` already covered it,
+    or (checked again in the turn) `event_body` is a version a reconcile has seen meanwhile: the event of
+    a write of the reconcile this one waited for. `received` None: the trigger is not a plain reconcile
+    (a rollout step) and always runs."""
     namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     with TRIGGERS.turn(namespace, model, received) as needed:
-        if not needed:
-            SKIPPED.labels(kind, "covered").inc()
+        if not needed or (event_body is not None and not TRIGGERS.is_news(event_body, None)):
+            SKIPPED.labels(kind, "covered" if not needed else "seen").inc()
             return
-        with observed_reconcile(kind, namespace, name, trigger), ctx.kube.journal() as seen:
+        with observed_reconcile(kind, namespace, name, trigger), ctx.kube.journal(TRIGGERS.remember):
             try:
                 work()
             except InvalidResource as exc:
@@ -105,43 +108,65 @@ def _run(
                         delay=6 * RETRY_SECONDS,
                     ) from None
                 raise kopf.PermanentError(f"Kubernetes API rejected a request: {exc}") from None
-        TRIGGERS.remember(seen)
 
 
-def _reconcile_model_named(
+def _retrying(
     ctx: sync.Context,
-    namespace: str,
-    model: str,
+    kind: str,
     trigger: str,
+    obj: dict[str, Any],
+    model: str,
+    work: Callable[[], Any],
     received: float,
+    event_body: Any = None,
     attempt: int = 0,
-    retry: bool = True,
 ) -> None:
-    """Reconcile the model as it is now (read fresh). Watch events are never retried by kopf: a failure
-    here is retried by a timer, with backoff, so a child's change is not left to the next resync."""
+    """`_run` for watch events, which kopf never retries: a failure is retried here by a timer, with
+    backoff, so a child's change is not left to the next resync. `work` must read what it needs fresh."""
+    try:
+        _run(ctx, kind, trigger, obj, model, work, received, event_body)
+    except kopf.TemporaryError:
+        if attempt < RETRY_ATTEMPTS:
+            delay = min(RETRY_SECONDS * 2**attempt, RESYNC_SECONDS)
+            again = threading.Timer(delay, _retry, args=(ctx, kind, obj, model, work, attempt + 1))
+            again.daemon = True
+            again.start()
+        raise
+
+
+def _retry(
+    ctx: sync.Context, kind: str, obj: dict[str, Any], model: str, work: Callable[[], Any], attempt: int
+) -> None:
+    try:
+        _retrying(ctx, kind, "retry", obj, model, work, time.monotonic(), attempt=attempt)
+    except (kopf.TemporaryError, kopf.PermanentError) as exc:
+        log.warning("%s %s: reconcile failed again: %s", kind, obj["metadata"]["name"], exc)
+
+
+def _model_work(ctx: sync.Context, namespace: str, model: str) -> Callable[[], None]:
+    """Reconcile the model as it is now (read fresh), unless it is gone or going."""
 
     def work() -> None:
         im = ctx.kube.get(*_im_ref(), namespace, model)
         if im is not None and not im["metadata"].get("deletionTimestamp"):
             sync.reconcile_model(ctx, im)
 
-    ref = {"metadata": {"namespace": namespace, "name": model}}
-    try:
-        _run(ctx, "InferenceModel", trigger, ref, model, work, received)
-    except kopf.TemporaryError:
-        if retry and attempt < RETRY_ATTEMPTS:
-            delay = min(RETRY_SECONDS * 2**attempt, RESYNC_SECONDS)
-            retry = threading.Timer(delay, _retry, args=(ctx, namespace, model, attempt + 1))
-            retry.daemon = True
-            retry.start()
-        raise
+    return work
 
 
-def _retry(ctx: sync.Context, namespace: str, model: str, attempt: int) -> None:
-    try:
-        _reconcile_model_named(ctx, namespace, model, "retry", time.monotonic(), attempt)
-    except (kopf.TemporaryError, kopf.PermanentError) as exc:
-        log.warning("InferenceModel %s/%s: reconcile failed again: %s", namespace, model, exc)
+def _version_work(ctx: sync.Context, namespace: str, mv_name: str) -> Callable[[], None]:
+    """Reconcile the version's model, or the version alone if it has none (read fresh)."""
+
+    def work() -> None:
+        mv = ctx.kube.get(*_mv_ref(), namespace, mv_name)
+        if mv is not None:
+            sync.reconcile_model_of_version(ctx, mv)
+
+    return work
+
+
+def _ref(namespace: str, name: str) -> dict[str, Any]:
+    return {"metadata": {"namespace": namespace, "name": name}}
 
 
 def _is_news(body: Any, type: str | None = None, **_: Any) -> bool:
@@ -206,7 +231,8 @@ def model_resync(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any
         SKIPPED.labels("InferenceModel", "covered").inc()
         return
     ctx = _context(memo, logger, versions_by_model)
-    _reconcile_model_named(ctx, namespace, name, "resync", time.monotonic(), retry=False)  # kopf retries
+    work = _model_work(ctx, namespace, name)
+    _run(ctx, "InferenceModel", "resync", _ref(namespace, name), name, work, time.monotonic())
 
 
 def _rollout_pending(spec: Any, status: Any, **_: Any) -> bool:
@@ -239,8 +265,9 @@ def serving_child_event(
     model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
     if model:
         ctx = _context(memo, logger, versions_by_model)
-        trigger = str(body.get("kind") or "child").lower()
-        _reconcile_model_named(ctx, meta["namespace"], model, trigger, received)
+        trigger, ref = str(body.get("kind") or "child").lower(), _ref(meta["namespace"], model)
+        work = _model_work(ctx, meta["namespace"], model)
+        _retrying(ctx, "InferenceModel", trigger, ref, model, work, received, body)
 
 
 # --- ModelVersion ----------------------------------------------------------------------------------------
@@ -264,42 +291,28 @@ def version_event(
 ) -> None:
     """Any change of a version (created, converted, deleted) may change its model's traffic."""
     received = time.monotonic()
-    mv = _plain(body)
-    model = mv.get("spec", {}).get("model", "")
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    model = str((body.get("spec") or {}).get("model", ""))
     ctx = _context(memo, logger, versions_by_model)
     if type == "DELETED":  # gone: only its model has something left to do
         if model:
-            _reconcile_model_named(ctx, mv["metadata"]["namespace"], model, "version-deleted", received)
+            work = _model_work(ctx, namespace, model)
+            _retrying(ctx, "InferenceModel", "version-deleted", _ref(namespace, model), model, work, received)
         return
-    _run(ctx, "ModelVersion", "event", mv, model, lambda: sync.reconcile_model_of_version(ctx, mv), received)
+    work = _version_work(ctx, namespace, name)
+    _retrying(ctx, "ModelVersion", "event", _ref(namespace, name), model, work, received, body)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={**MANAGED, names.LABEL_COMPONENT: "conversion"}, when=_is_news)
 def job_event(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
     """A conversion Job progressed: reconcile the version it belongs to (and that version's model)."""
     received = time.monotonic()
-    job = _plain(body)
-    labels = job["metadata"].get("labels", {})
-    ctx = _context(memo, logger, versions_by_model)
+    namespace, labels = body["metadata"]["namespace"], body["metadata"].get("labels") or {}
     mv_name, model = labels.get(names.LABEL_VERSION), labels.get(names.LABEL_MODEL, "")
-    if not mv_name:
-        return
-    namespace = job["metadata"]["namespace"]
-
-    def work() -> None:
-        mv = ctx.kube.get(*_mv_ref(), namespace, mv_name)
-        if mv is not None:
-            sync.reconcile_model_of_version(ctx, mv)
-
-    _run(
-        ctx,
-        "ModelVersion",
-        "job",
-        {"metadata": {"namespace": namespace, "name": mv_name}},
-        model,
-        work,
-        received,
-    )
+    if mv_name:
+        ctx = _context(memo, logger, versions_by_model)
+        work = _version_work(ctx, namespace, mv_name)
+        _retrying(ctx, "ModelVersion", "job", _ref(namespace, mv_name), model, work, received, body)
 
 
 @kopf.on.delete(*MODEL_VERSIONS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,24 +58,21 @@ class Kube:
         self._journal = threading.local()
 
     @contextmanager
-    def journal(self) -> Iterator[dict[str, str]]:
-        """Collect {uid: resourceVersion} of every object this thread reads or writes meanwhile: the
+    def journal(self, note: Callable[[str, str], None]) -> Iterator[None]:
+        """Call `note(uid, resourceVersion)` for every object this thread reads or writes meanwhile: the
         versions a reconcile has seen, so that their watch events can be told apart from news."""
-        seen: dict[str, str] = {}
-        outer = getattr(self._journal, "seen", None)
-        self._journal.seen = seen
+        outer = getattr(self._journal, "note", None)
+        self._journal.note = note
         try:
-            yield seen
+            yield
         finally:
-            self._journal.seen = outer
-            if outer is not None:
-                outer.update(seen)
+            self._journal.note = outer
 
     def _note(self, obj: dict[str, Any]) -> dict[str, Any]:
-        seen = getattr(self._journal, "seen", None)
+        note = getattr(self._journal, "note", None)
         meta = obj.get("metadata") or {}
-        if seen is not None and meta.get("uid") and meta.get("resourceVersion"):
-            seen[meta["uid"]] = meta["resourceVersion"]
+        if note is not None and meta.get("uid") and meta.get("resourceVersion"):
+            note(meta["uid"], meta["resourceVersion"])
         return obj
 
     def _call(

@@ -37,12 +37,12 @@ class Triggers:
             return True
         return not (uid and version and self._versions.get(uid) == version)
 
-    def remember(self, versions: Mapping[str, str]) -> None:
-        """Versions a successful reconcile read or wrote: their events are no news."""
+    def remember(self, uid: str, version: str) -> None:
+        """A version a reconcile read or wrote: its events are no news."""
         with self._guard:
             if len(self._versions) > MAX_REMEMBERED:
                 self._versions.clear()
-            self._versions.update(versions)
+            self._versions[uid] = version
 
     @contextmanager
     def turn(self, namespace: str, model: str, received: float | None) -> Iterator[bool]:

@@ -73,7 +73,7 @@ def body(uid: str, version: str) -> dict:
 def test_an_event_of_a_version_a_reconcile_saw_is_no_news():
     triggers = Triggers()
     assert triggers.is_news(body("u1", "5"), "ADDED")
-    triggers.remember({"u1": "5"})
+    triggers.remember("u1", "5")
     assert not triggers.is_news(body("u1", "5"), None)  # listed again, unchanged
     assert not triggers.is_news(body("u1", "5"), "MODIFIED")  # the operator's own write
     assert triggers.is_news(body("u1", "6"), "MODIFIED")  # someone else's
