@@ -21,27 +21,32 @@ SHARD_SUFFIX = ".safetensors"
 NAME_MAX = 255  # bytes, as most file systems
 
 
+def _plain(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and not any(c in name for c in "/\\\0")
+        and not name.startswith(".")  # also '.' and '..'; hidden files are outside the source digest
+        and len(name.encode()) <= NAME_MAX
+    )
+
+
 def check_name(name: object, what: str) -> str:
     """`name` when it is a plain, visible file name; BadInputError naming `what` otherwise."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or any(c in name for c in "/\\\0")
-        or name.startswith(".")  # also '.' and '..'; hidden files are outside the source digest
-        or len(name.encode()) > NAME_MAX
-    ):
+    if not _plain(name):
         raise BadInputError(
             f"{what} {name!r} is not a plain file name (no folders, '..', absolute paths, backslashes or NUL)"
         )
-    return name
+    return name  # type: ignore[return-value]
 
 
 def check_relative(path: str, what: str) -> str:
     """`path` when it is a relative POSIX path whose every part is a plain file name."""
-    if not isinstance(path, str) or path.startswith("/") or not path:
-        raise BadInputError(f"{what} {path!r} is not a relative path inside the source")
-    for part in path.split("/"):
-        check_name(part, what)
+    if not isinstance(path, str) or not all(_plain(part) for part in path.split("/")):
+        raise BadInputError(
+            f"{what} {path!r} is not a relative path of plain file names (no '..', absolute paths, "
+            "backslashes or NUL)"
+        )
     return path
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from urllib.parse import quote, urlparse
 
 import httpx
-from modelfleet.converters.confine import check_name, index_shards, regular_files
+from modelfleet.converters.confine import check_name, check_relative, index_shards, regular_files
 from modelfleet.converters.download import NotFound, download, new_client, sha256_file
 from modelfleet.converters.errors import BadInputError, ToolMissingError
 from modelfleet.converters.hosts import HostPolicy
@@ -206,9 +206,21 @@ def _s3(uri: str, expected: str | None, cache_dir: Path) -> Source:
     if not (folder / "config.json").exists():
         staging = folder.with_name("model.partial")
         shutil.rmtree(staging, ignore_errors=True)
+        root = uri.removeprefix("s3://").rstrip("/")
         try:
-            fs.get(uri.rstrip("/") + "/", str(staging) + "/", recursive=True)
+            keys, local = [], []
+            for key in fs.find(root):
+                rel = key.removeprefix(root + "/")
+                if any(p.startswith(".") and p not in (".", "..") for p in rel.split("/")):
+                    continue  # hidden, as in a local folder (.gitattributes)
+                # A key may hold '..' or start with '/': it must be a relative path inside the folder.
+                local.append(str(staging / check_relative(rel, f"source {uri} object")))
+                keys.append(key)
+            fs.get(keys, local)
+        except BadInputError:
+            raise
         except Exception as exc:  # botocore and aiohttp raise their own types
+            shutil.rmtree(staging, ignore_errors=True)
             raise BadInputError(f"cannot fetch {uri}: {exc}") from None
         shutil.rmtree(folder, ignore_errors=True)
         staging.rename(folder)

@@ -12,8 +12,10 @@ import sys
 import tarfile
 import threading
 
+import fsspec
 import httpx
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 from modelfleet.converters import hosts, sources
 from modelfleet.converters.convert import Request, convert
 from modelfleet.converters.download import download, sha256_file
@@ -311,3 +313,39 @@ def test_host_policy_settings(monkeypatch):
         hosts.HostPolicy.from_env({"MODELFLEET_SOURCE_ALLOW_HOSTS": "a b"})
     with pytest.raises(BadInputError, match="MODELFLEET_SOURCE_DENY_PRIVATE='maybe': use true or false"):
         hosts.HostPolicy.from_env({"MODELFLEET_SOURCE_DENY_PRIVATE": "maybe"})
+
+
+class FakeS3(MemoryFileSystem):
+    """An in-memory stand-in for s3fs: keys are 'bucket/key', as s3fs lists them."""
+
+    protocol = "s3"
+    cachable = False
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return str(path).removeprefix("s3://").strip("/")
+
+
+@pytest.fixture
+def fake_s3(monkeypatch: pytest.MonkeyPatch) -> FakeS3:
+    monkeypatch.setattr(FakeS3, "store", {})
+    monkeypatch.setattr(FakeS3, "pseudo_dirs", [""])
+    monkeypatch.setattr(fsspec, "filesystem", lambda protocol: FakeS3())
+    return FakeS3()
+
+
+def test_s3_objects_land_inside_the_cache_folder(fake_s3, tiny_model_dir, tmp_path):
+    for path in tiny_model_dir.iterdir():
+        fake_s3.pipe(f"bucket/models/tiny/{path.name}", path.read_bytes())
+    fake_s3.pipe("bucket/models/tiny/.gitattributes", b"*.safetensors filter=lfs")  # hidden: skipped
+    source = sources.resolve("s3://bucket/models/tiny/", cache_dir=tmp_path / "cache")
+    assert source.digest == sources.folder_digest(tiny_model_dir)[0]
+    assert not (source.path / ".gitattributes").exists()
+
+    fake_s3.pipe("bucket/models/evil/config.json", b"{}")
+    fake_s3.pipe("bucket/models/evil/a/../../../../escaped.json", b"{}")
+    with pytest.raises(
+        BadInputError, match=r"object 'a/\.\./\.\./\.\./\.\./escaped\.json' is not a relative path"
+    ):
+        sources.resolve("s3://bucket/models/evil", cache_dir=tmp_path / "cache")
+    assert not list(tmp_path.rglob("escaped.json"))
