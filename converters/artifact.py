@@ -27,6 +27,13 @@ def converter_version() -> str:
         return "0+unknown"
 
 
+def check_parent(out: Path) -> None:
+    """--out must be creatable: its nearest existing ancestor is a folder (checked before any download)."""
+    existing = next((p for p in out.parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise BadInputError(f"--out {out} lies under {existing}, which is not a folder")
+
+
 def check_destination(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise BadInputError(f"--out {out} exists and is not a folder; choose another path")

@@ -64,6 +64,7 @@ def convert(request: Request) -> dict:
     out = request.out.absolute()
     if out.exists() and not out.is_dir():
         raise BadInputError(f"--out {out} exists and is not a folder; choose another path")
+    artifact.check_parent(out)
     cache_dir = request.cache_dir or out.parent / ".modelfleet-cache"
     source = sources.resolve(request.source, cache_dir=cache_dir, sha256=request.sha256)
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
-from modelfleet.converters.errors import BadInputError
+from modelfleet.converters.errors import BadInputError, ConversionError
 
 ALLOW_ENV = "MODELFLEET_SOURCE_ALLOW_HOSTS"
 DENY_PRIVATE_ENV = "MODELFLEET_SOURCE_DENY_PRIVATE"
@@ -91,8 +91,8 @@ class HostPolicy:
 def resolve(host: str, port: int) -> list[Address]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise BadInputError(f"source host {host} cannot be resolved: {exc}") from None
+    except (OSError, UnicodeError) as exc:  # DNS may be down for a moment: exit 1, which is retried
+        raise ConversionError(f"source host {host} cannot be resolved: {exc}") from None
     addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos))
     if not addresses:
         raise BadInputError(f"source host {host} has no address")

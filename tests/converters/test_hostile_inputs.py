@@ -326,3 +326,20 @@ def test_refused_host_writes_nothing(tmp_path, capsys, monkeypatch):
     )
     assert_failed(code, stdout, err, 2, "169.254.169.254, a link-local address")
     assert connects == [] and artifacts(out.parent) == [] and not (out.parent / ".modelfleet-cache").exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "is a FIFO"])
+def test_unusable_out_is_refused_before_any_work(where, tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    out = tmp_path / "file" / "a" / "b" if where == "under a file" else tmp_path / "fifo"
+    reason = (
+        f"lies under {tmp_path / 'file'}, which is not a folder"
+        if where == "under a file"
+        else ("exists and is not a folder")
+    )
+    code, stdout, err = run_main(
+        capsys, "--source", str(tiny_model_dir), "--target", "cpu", "--out", str(out)
+    )
+    assert_failed(code, stdout, err, 2, reason)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "file"]

@@ -19,7 +19,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from modelfleet.converters import hosts, sources
 from modelfleet.converters.convert import Request, convert
 from modelfleet.converters.download import download, sha256_file
-from modelfleet.converters.errors import BadInputError, ToolMissingError
+from modelfleet.converters.errors import BadInputError, ConversionError, ToolMissingError
 
 
 @pytest.fixture
@@ -349,3 +349,13 @@ def test_s3_objects_land_inside_the_cache_folder(fake_s3, tiny_model_dir, tmp_pa
     ):
         sources.resolve("s3://bucket/models/evil", cache_dir=tmp_path / "cache")
     assert not list(tmp_path.rglob("escaped.json"))
+
+
+def test_a_host_dns_cannot_resolve_is_a_failure_worth_a_retry(monkeypatch, tmp_path):
+    def down(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", down)
+    with pytest.raises(ConversionError, match=r"host models\.example cannot be resolved: .*Temporary") as exc:
+        sources.resolve("https://models.example/m/", cache_dir=tmp_path / "cache")
+    assert exc.value.exit_code == 1 and not (tmp_path / "cache").exists()
