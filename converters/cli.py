@@ -34,7 +34,7 @@ EPILOG = (
     "exit codes:\n"
     + "\n".join(f"  {code:<4} {what}" for code, what in EXIT_CODES.items())
     + (
-        "\n\nhttp(s) sources: private, loopback and link-local hosts are refused unless listed in "
+        "\n\nhttp(s) sources: private, loopback and link-local hosts are refused unless listed in\n"
         "MODELFLEET_SOURCE_ALLOW_HOSTS (see converters/README.md)."
     )
 )
