@@ -25,7 +25,11 @@ class OperatorSettings(BaseSettings):
     operator_metrics_port: int = Field(default=9090, ge=0, le=65535, description="0: no metrics server")
     operator_health_port: int = Field(default=8080, ge=0, le=65535, description="0: no liveness endpoint")
     log_level: str = "info"
-    resync_seconds: float = Field(default=60.0, gt=0, description="periodic re-reconcile of every resource")
+    # A safety net: changes arrive as watch events. Each model's resync is a few GETs and no writes, so
+    # 1,000 models at 300 s cost about 3 reconciles a second.
+    resync_seconds: float = Field(
+        default=300.0, gt=0, description="re-reconcile of a model no other trigger reconciled meanwhile"
+    )
 
     rollout_tick_seconds: float = Field(
         default=10.0, gt=0, description="how often rollouts are checked (a step waits its interval)"
