@@ -15,7 +15,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -52,13 +52,21 @@ def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> No
     kopf.event(obj, type=type_, reason=reason, message=message[:1024])
 
 
-def _context(memo: Any, logger: Any, versions_by_model: Any = None) -> sync.Context:
+def _context(memo: Any, logger: Any, indices: Mapping[str, Any] | None = None) -> sync.Context:
+    """The operator's context for one handler call; `indices`: kopf's keyword arguments, which carry its
+    indices (the watch's view of versions and serving objects; absent when a test calls a handler)."""
     ctx = getattr(memo, "ctx", None)
     if ctx is None:
         ctx = memo.ctx = make_context()
-    if versions_by_model is None:
-        return replace(ctx, logger=logger)
-    return replace(ctx, logger=logger, version_names=_names_in(versions_by_model))
+    indices = indices or {}
+    versions = indices.get("versions_by_model")
+    serving = {kind: indices.get(index) for kind, index in SERVING_INDICES.items()}
+    return replace(
+        ctx,
+        logger=logger,
+        version_names=_names_in(versions) if versions is not None else ctx.version_names,
+        watched=_watched_in(serving) if all(i is not None for i in serving.values()) else ctx.watched,
+    )
 
 
 def _names_in(index: Any) -> Callable[[str, str], list[str] | None]:
@@ -69,6 +77,18 @@ def _names_in(index: Any) -> Callable[[str, str], list[str] | None]:
             return None
 
     return names_of
+
+
+def _watched_in(indices: dict[str, Any]) -> Callable[[str, str, str], dict[str, Any] | None]:
+    def watched(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        index = indices.get(kind)
+        try:
+            found = list(index.get((namespace, name), ())) if index is not None else []
+        except RuntimeError:  # changed while read: read it from the API instead
+            return None
+        return copy.deepcopy(found[0]) if len(found) == 1 else None
+
+    return watched
 
 
 def _plain(body: Any) -> dict[str, Any]:
@@ -212,12 +232,11 @@ def model_changed(
     memo: Any,
     logger: Any,
     reason: str = "update",
-    versions_by_model: Any = None,
-    **_: Any,
+    **indices: Any,
 ) -> None:
     received = time.monotonic()
     im = _plain(body)
-    ctx = _context(memo, logger, versions_by_model)
+    ctx = _context(memo, logger, indices)
     name = im["metadata"]["name"]
     _run(ctx, "InferenceModel", str(reason), im, name, lambda: sync.reconcile_model(ctx, im), received)
 
@@ -225,12 +244,12 @@ def model_changed(
 # A safety net, not the way changes arrive (watch events are): it runs only on models that no other
 # trigger reconciled for half an interval, and reads the model fresh.
 @kopf.timer(*INFERENCE_MODELS, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, idle=RESYNC_SECONDS / 2)
-def model_resync(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
+def model_resync(body: kopf.Body, memo: Any, logger: Any, **indices: Any) -> None:
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if TRIGGERS.since_reconciled(namespace, name) < RESYNC_SKIP_SECONDS:
         SKIPPED.labels("InferenceModel", "covered").inc()
         return
-    ctx = _context(memo, logger, versions_by_model)
+    ctx = _context(memo, logger, indices)
     work = _model_work(ctx, namespace, name)
     _run(ctx, "InferenceModel", "resync", _ref(namespace, name), name, work, time.monotonic())
 
@@ -242,29 +261,54 @@ def _rollout_pending(spec: Any, status: Any, **_: Any) -> bool:
 # kopf timer intervals are fixed per handler: the timer ticks often, and each rollout step waits its own
 # spec.rollout.interval, counted from status.rollout.stepStartedAt.
 @kopf.timer(*INFERENCE_MODELS, interval=ROLLOUT_TICK_SECONDS, when=_rollout_pending)
-def rollout_tick(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
+def rollout_tick(body: kopf.Body, memo: Any, logger: Any, **indices: Any) -> None:
     """Start, judge or advance the model's canary (spec.rollout), and serve its traffic."""
     im = _plain(body)
-    ctx = _context(memo, logger, versions_by_model)
+    ctx = _context(memo, logger, indices)
     _run(ctx, "InferenceModel", "rollout", im, im["metadata"]["name"], lambda: sync.step_rollout(ctx, im))
 
 
 SERVING = {**MANAGED, names.LABEL_COMPONENT: "dataplane"}
+SERVING_INDICES = {
+    "Deployment": "deployments_seen",
+    "Service": "services_seen",
+    "ConfigMap": "configmaps_seen",
+}
+
+
+def _seen(namespace: str, name: str, body: kopf.Body) -> dict[tuple[str, str], dict[str, Any]]:
+    """A serving object as the watch last saw it: a reconcile that finds it as it should be reads nothing
+    (a stale view costs at most a GET: a difference is read again from the API before it is applied)."""
+    meta = {k: v for k, v in body.get("metadata", {}).items() if k != "managedFields"}
+    return {(namespace, name): {**body, "metadata": meta}}
+
+
+@kopf.index("apps", "v1", "deployments", labels=SERVING)
+def deployments_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> Any:
+    return _seen(namespace, name, body)
+
+
+@kopf.index("", "v1", "services", labels=SERVING)
+def services_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> Any:
+    return _seen(namespace, name, body)
+
+
+@kopf.index("", "v1", "configmaps", labels=SERVING)
+def configmaps_seen(namespace: str, name: str, body: kopf.Body, **_: Any) -> Any:
+    return _seen(namespace, name, body)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=SERVING, when=_is_news)
 @kopf.on.event("", "v1", "services", labels=SERVING, when=_is_news)
 @kopf.on.event("", "v1", "configmaps", labels=SERVING, when=_is_news)
-def serving_child_event(
-    body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any
-) -> None:
+def serving_child_event(body: kopf.Body, memo: Any, logger: Any, **indices: Any) -> None:
     """A serving object changed (pods ready, quota refusals, edited or deleted): refresh its model, which
     re-applies what drifted and re-creates what is gone."""
     received = time.monotonic()
     meta = body["metadata"]
     model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
     if model:
-        ctx = _context(memo, logger, versions_by_model)
+        ctx = _context(memo, logger, indices)
         trigger, ref = str(body.get("kind") or "child").lower(), _ref(meta["namespace"], model)
         work = _model_work(ctx, meta["namespace"], model)
         _retrying(ctx, "InferenceModel", trigger, ref, model, work, received, body)
@@ -286,14 +330,13 @@ def version_event(
     memo: Any,
     logger: Any,
     type: str | None = None,
-    versions_by_model: Any = None,
-    **_: Any,
+    **indices: Any,
 ) -> None:
     """Any change of a version (created, converted, deleted) may change its model's traffic."""
     received = time.monotonic()
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
     model = str((body.get("spec") or {}).get("model", ""))
-    ctx = _context(memo, logger, versions_by_model)
+    ctx = _context(memo, logger, indices)
     if type == "DELETED":  # gone: only its model has something left to do
         if model:
             work = _model_work(ctx, namespace, model)
@@ -304,13 +347,13 @@ def version_event(
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={**MANAGED, names.LABEL_COMPONENT: "conversion"}, when=_is_news)
-def job_event(body: kopf.Body, memo: Any, logger: Any, versions_by_model: Any = None, **_: Any) -> None:
+def job_event(body: kopf.Body, memo: Any, logger: Any, **indices: Any) -> None:
     """A conversion Job progressed: reconcile the version it belongs to (and that version's model)."""
     received = time.monotonic()
     namespace, labels = body["metadata"]["namespace"], body["metadata"].get("labels") or {}
     mv_name, model = labels.get(names.LABEL_VERSION), labels.get(names.LABEL_MODEL, "")
     if mv_name:
-        ctx = _context(memo, logger, versions_by_model)
+        ctx = _context(memo, logger, indices)
         work = _version_work(ctx, namespace, mv_name)
         _retrying(ctx, "ModelVersion", "job", _ref(namespace, mv_name), model, work, received, body)
 

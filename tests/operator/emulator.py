@@ -10,6 +10,7 @@ everything; and now and then a watch ends with 410 Gone, after which the client 
 
 from __future__ import annotations
 
+import collections
 import copy
 import datetime as dt
 import itertools
@@ -32,6 +33,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         self._versions = itertools.count(1000)
         self._latest = 1000
         self._writes: list[str] = []
+        self._gets: collections.Counter[str] = collections.Counter()  # GETs of one object, by plural
 
     def _next_version(self) -> str:
         self._latest = next(self._versions)
@@ -43,6 +45,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         del self._requests[:-1]
         if request.method.value in WRITES:
             self._writes.append(f"{request.method.value} {request.url.path}")
+        elif request.method.value == "GET" and request.resource is not None and request.name:
+            self._gets[request.resource.plural] += 1
         if request.resource is None or request.method.value not in ("POST", "PATCH", "PUT"):
             return await super()._handle(request)
         if request.method.value == "POST":
@@ -123,6 +127,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
         for resource in list(self._buses):
             await self._buses[resource].put(gone)
+
+    def gets(self, plural: str) -> int:
+        """How many GETs of a single object of this resource were made."""
+        return self._gets[plural]
 
     def writes(self) -> list[str]:
         """Requests that could change something ("METHOD /path"): creates, patches, updates, deletes."""

@@ -143,6 +143,7 @@ async def test_a_fleet_at_rest_writes_nothing_and_reconciles_once_per_resync(fle
         await asyncio.sleep(1.0)  # the last events of the start settle
 
         writes, runs = len(kmock.writes()), reconciles()
+        reads = {plural: kmock.gets(plural) for plural in ("deployments", "services", "configmaps")}
         window = 3 * RESYNC
         await kmock.expire_watches()  # kopf lists everything again: every object arrives once more
         await asyncio.sleep(window / 2)
@@ -153,6 +154,8 @@ async def test_a_fleet_at_rest_writes_nothing_and_reconciles_once_per_resync(fle
         per_model = (reconciles() - runs) / MODELS
         assert made == [], f"at rest: {len(made)} writes, {per_model:.1f} reconciles a model: {made[:6]}"
         assert per_model <= window / RESYNC + 1, f"{per_model:.1f} reconciles per model in {window}s"
+        # The resyncs found the watched serving objects as they should be in the watch's view: no GETs.
+        assert per_model >= 1 and {plural: kmock.gets(plural) for plural in reads} == reads
 
         # Still convergent: what is deleted or edited behind the operator's back is put back.
         await kmock.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/m1")
