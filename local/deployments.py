@@ -25,9 +25,8 @@ from modelfleet.local.jobs import exit_code
 from modelfleet.local.store import LocalKube
 
 log = logging.getLogger(__name__)
-PROBE_PERIOD = 0.5
+STARTUP_PROBE_PERIOD = 0.5  # until ready; then the readinessProbe's own periodSeconds
 PROBE_TIMEOUT = 2.0
-FAILURES_TO_UNREADY = 3
 MAX_BACKOFF = 30.0
 
 
@@ -62,6 +61,9 @@ class Replica:
         self.container, self.deploy_uid, self.template, self.port = container, deploy_uid, template, port
         self.ready = False
         self.failures = 0
+        probe = container.spec.get("readinessProbe") or {}
+        self.period = float(probe.get("periodSeconds", 10))
+        self.failure_threshold = int(probe.get("failureThreshold", 3))
         self.next_probe = 0.0
         self.probe: Future | None = None
         self.restart_at: float | None = None
@@ -80,7 +82,7 @@ class DeploymentController:
         self.probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe")
 
     def sync(self) -> None:
-        deploys = {d["metadata"]["uid"]: d for d in self.kube.all() if d["kind"] == "Deployment"}
+        deploys = {d["metadata"]["uid"]: d for d in self.kube.all("apps/v1", "Deployment")}
         for name, replica in list(self.replicas.items()):
             pod = self.kube.get("v1", "Pod", replica.container.namespace, name)
             if replica.deploy_uid not in deploys or pod is None:
@@ -192,11 +194,11 @@ class DeploymentController:
             replica.failures = 0 if ok else replica.failures + 1
             if ok:
                 replica.ready = True
-            elif replica.failures >= FAILURES_TO_UNREADY:
+            elif replica.failures >= replica.failure_threshold:
                 replica.ready = False
             replica.probe = None
         if replica.probe is None and now >= replica.next_probe:
-            replica.next_probe = now + PROBE_PERIOD
+            replica.next_probe = now + (replica.period if replica.ready else STARTUP_PROBE_PERIOD)
             replica.probe = self.probes.submit(self._ready, replica.port)
 
     def _ready(self, port: int) -> bool:

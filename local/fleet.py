@@ -31,7 +31,7 @@ from modelfleet.operator.validation import InvalidResource
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.2  # process exits and readiness are looked at this often
-RESYNC_SECONDS = 1.0  # every model is reconciled at least this often (60 s in a cluster)
+RESYNC_SECONDS = 5.0  # every model is reconciled at least this often (60 s in a cluster)
 MAX_EVENTS = 500
 
 
@@ -178,24 +178,17 @@ class Fleet:
             state.write(self.work_dir, self._snapshot())
 
     def _reconcile_all(self) -> None:
-        objects = self.kube.all()
-        models = {
-            (o["metadata"]["namespace"], o["metadata"]["name"])
-            for o in objects
-            if o["kind"] == "InferenceModel"
-        }
-        for obj in objects:
-            if obj["kind"] == "InferenceModel":
-                self._guard(obj, lambda o=obj: sync.reconcile_model(self.ctx, o))
-            elif (
-                obj["kind"] == "ModelVersion"
-                and (obj["metadata"]["namespace"], obj["spec"].get("model")) not in models
-            ):
-                self._guard(obj, lambda o=obj: sync.reconcile_version(self.ctx, o, None))
+        ims = self.kube.all(API_VERSION, "InferenceModel")
+        models = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in ims}
+        for im in ims:
+            self._guard(im, lambda o=im: sync.reconcile_model(self.ctx, o))
+        for mv in self.kube.all(API_VERSION, "ModelVersion"):  # a version without its model
+            if (mv["metadata"]["namespace"], mv["spec"].get("model")) not in models:
+                self._guard(mv, lambda o=mv: sync.reconcile_version(self.ctx, o, None))
 
     def _rollouts(self, now: float) -> None:
         """The rollout timer: every `rollout_tick_seconds` for models whose rollout is not finished."""
-        for im in (o for o in self.kube.all() if o["kind"] == "InferenceModel"):
+        for im in self.kube.all(API_VERSION, "InferenceModel"):
             key = (im["metadata"]["namespace"], im["metadata"]["name"])
             if not sync.rollout_pending(im.get("spec", {}), im.get("status")):
                 self._next_rollout.pop(key, None)
@@ -217,9 +210,7 @@ class Fleet:
 
     def _services(self) -> None:
         services = {
-            (s["metadata"]["namespace"], s["metadata"]["name"]): s
-            for s in self.kube.all()
-            if s["kind"] == "Service"
+            (s["metadata"]["namespace"], s["metadata"]["name"]): s for s in self.kube.all("v1", "Service")
         }
         for key in list(self.proxies):
             if key not in services:

@@ -31,7 +31,7 @@ class JobController:
         self.retry_at: dict[str, float] = {}  # job uid -> when its next pod may start
 
     def sync(self) -> None:
-        jobs = {j["metadata"]["uid"]: j for j in self.kube.all() if j["kind"] == "Job"}
+        jobs = {j["metadata"]["uid"]: j for j in self.kube.all("batch/v1", "Job")}
         for name, container in list(self.running.items()):
             job_uid = container.extra["job_uid"]
             job = jobs.get(job_uid)

@@ -106,6 +106,10 @@ def project_configmaps(kube: LocalKube, pod: dict[str, Any], container: Containe
     namespace = pod["metadata"]["namespace"]
     for volume, name in configmap_volumes(pod["spec"]).items():
         cm = kube.get("v1", "ConfigMap", namespace, name)
+        seen = (cm or {}).get("metadata", {}).get("resourceVersion")
+        if seen is not None and container.extra.get(f"configmap/{volume}") == seen:
+            continue  # projected already: nothing to parse or write
+        container.extra[f"configmap/{volume}"] = seen
         for key, text in ((cm or {}).get("data") or {}).items():
             target = container.folder / "volumes" / volume / key
             changed |= write_atomically(target, _localize(text, container.mounts))

@@ -147,9 +147,14 @@ class LocalKube:
             if old is not None and old.get("status") != status:
                 self._store(key, {**old, "status": copy.deepcopy(status)})
 
-    def all(self) -> list[dict[str, Any]]:
+    def all(self, api_version: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        """Every object (of one kind, when given), in every namespace."""
         with self._lock:
-            return [copy.deepcopy(obj) for _, obj in sorted(self._objects.items())]
+            return [
+                copy.deepcopy(obj)
+                for (av, k, _, _), obj in sorted(self._objects.items())
+                if (kind is None or k == kind) and (api_version is None or av == api_version)
+            ]
 
     @property
     def version(self) -> int:
