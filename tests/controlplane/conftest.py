@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pgserver
 import pytest
 from controlplane_factories import Factory, MemoryStore, make_settings
 from fastapi.testclient import TestClient
-from modelfleet.controlplane import pgserver
 from modelfleet.controlplane.cluster import KubernetesCluster
 from modelfleet.controlplane.core import db
 from modelfleet.controlplane.main import create_app

@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server in a temporary folder, for the tests and the benchmark.
+"""A throwaway PostgreSQL server in a temporary folder, for the control-plane tests and bench/controlplane.py.
 
 Uses Debian's `postgresql` binaries. As root (CI), initdb and pg_ctl refuse to run, so they run as the
 `postgres` user through runuser and the folder is handed to that user. The server listens on a unix

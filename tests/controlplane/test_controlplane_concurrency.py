@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from modelfleet.controlplane import crud, schemas
 from modelfleet.controlplane.cluster import NoCluster
 from modelfleet.controlplane.main import create_app
-from modelfleet.controlplane.pgserver import PostgresServer
+from pgserver import PostgresServer
 from sqlalchemy.orm.exc import StaleDataError
 
 API = "/api/v1"
