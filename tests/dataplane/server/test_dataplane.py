@@ -13,7 +13,7 @@ from modelfleet.dataplane.manifest import single_model_manifest
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.auth import ANONYMOUS
 from modelfleet.dataplane.server.dataplane import RequestContext
-from modelfleet.dataplane.server.errors import EngineFailure
+from modelfleet.dataplane.server.errors import EngineFailure, RateLimited
 from modelfleet.dataplane.server.protocol import CompletionRequest
 from modelfleet.dataplane.server.runtime import build_dataplane
 from modelfleet.dataplane.server.settings import ServerSettings
@@ -195,3 +195,106 @@ async def test_prompt_tokens_are_charged_to_the_key(dataplane):
         await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=1), caller)
     ).response()
     assert again.usage.completion_tokens == 1
+
+
+def sample(dp, name: str, **labels) -> float | None:
+    return dp.metrics.registry.get_sample_value(name, labels)
+
+
+async def test_refusals_are_counted_once_under_their_labels(dataplane):
+    """An unknown model counts under `_unknown` (clients cannot grow the series), a known one under its
+    name and version; each refusal once (the HTTP layer does not count it again); only limit refusals
+    count as rejected."""
+    from modelfleet.dataplane.server.auth import KeyLimits, Principal
+
+    transport = httpx.ASGITransport(app=create_app(dataplane))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        missing = await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        too_long = await http.post(
+            "/v1/completions", json={"model": "m", "prompt": [1] * 64, "max_tokens": 1}
+        )
+    assert (missing.status_code, too_long.status_code) == (404, 400)
+    total = "modelfleet_requests_total"
+    assert sample(dataplane, total, model="_unknown", version="", status="404") == 1.0
+    assert sample(dataplane, total, model="nope", version="", status="404") is None
+    assert sample(dataplane, total, model="m", version="v1", status="400") == 1.0
+    assert sample(dataplane, total, model="_unknown", version="v1", status="400") is None
+    rejected = "modelfleet_rejected_requests_total"
+    assert sample(dataplane, rejected, reason="model_not_found") is None
+    assert sample(dataplane, rejected, reason="invalid_request_error") is None
+
+    busy = RequestContext(principal=Principal("busy", KeyLimits(max_concurrent=1)))
+    first = await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=2), busy)
+    with pytest.raises(RateLimited):
+        await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=2), busy)
+    await first.response()
+    assert sample(dataplane, rejected, reason="concurrency_limit_exceeded") == 1.0
+    assert sample(dataplane, total, model="m", version="v1", status="429") == 1.0
+
+
+async def test_an_unexpected_failure_before_admission_is_a_500(dataplane, monkeypatch):
+    def broken(text: str) -> list[int]:
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(dataplane.engine.tokenizer, "encode", broken)
+    with pytest.raises(RuntimeError, match="tokenizer exploded"):
+        await dataplane.completion(CompletionRequest(model="m", prompt="text", max_tokens=1), ctx())
+    assert sample(dataplane, "modelfleet_requests_total", model="m", version="v1", status="500") == 1.0
+    assert dataplane.manager.slots[("m", "v1")].in_flight == 0
+
+
+async def test_a_request_waiting_for_admission_shows_in_the_queue_gauge():
+    engine = ScriptedEngine()
+    dp = build_dataplane(
+        ServerSettings(max_running=1), loader=lambda spec: engine, estimate_bytes=lambda spec: 0
+    )
+    dp.apply_manifest(single_model_manifest("/models/m", name="m"))
+    try:
+        first = await dp.completion(CompletionRequest(model="m", prompt=[1], max_tokens=3), ctx())
+        second = asyncio.create_task(
+            dp.completion(CompletionRequest(model="m", prompt=[2], max_tokens=3), ctx())
+        )
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not second.done()
+        assert sample(dp, "modelfleet_admission_queue_waiting") == 1.0
+        await first.response()
+        answer = await (await second).response()
+        assert answer.usage.completion_tokens == 3
+        assert sample(dp, "modelfleet_admission_queue_waiting") == 0.0
+    finally:
+        await dp.close()
+
+
+async def test_shadow_versions_get_a_copy_of_each_request():
+    from modelfleet.dataplane.manifest import ServingManifest
+
+    engine = ScriptedEngine()
+    dp = build_dataplane(ServerSettings(), loader=lambda spec: engine, estimate_bytes=lambda spec: 0)
+    dp.apply_manifest(
+        ServingManifest.from_yaml(
+            """
+models:
+  - name: m
+    versions:
+      - {name: live, weight: 100, artifact: /models/a}
+      - {name: dark, weight: 0, artifact: /models/b, shadow_percent: 100}
+"""
+        )
+    )
+    try:
+        answer = await (
+            await dp.completion(CompletionRequest(model="m", prompt=[1], max_tokens=2), ctx())
+        ).response()
+        assert answer.usage.completion_tokens == 2
+        for _ in range(500):
+            if sample(dp, "modelfleet_shadow_requests_total", model="m", version="dark", status="ok"):
+                break
+            await asyncio.sleep(0.01)
+        assert sample(dp, "modelfleet_shadow_requests_total", model="m", version="dark", status="ok") == 1.0
+        assert len(engine.seen_seeds) == 2  # the request and its copy
+        total = "modelfleet_requests_total"
+        assert sample(dp, total, model="m", version="live", status="200") == 1.0
+        assert sample(dp, total, model="m", version="dark", status="200") is None
+    finally:
+        await dp.close()
