@@ -80,7 +80,9 @@ MODULES: dict[str, Module] = {
     "dataplane": Module(
         "dataplane/server/dataplane.py", (f"{SERVER}/test_dataplane.py",), scope=("DataPlane._start",)
     ),
-    "checks": Module("dataplane/server/checks.py", (f"{SERVER}/test_dataplane.py",)),
+    "checks": Module(
+        "dataplane/server/checks.py", (f"{SERVER}/test_dataplane.py", f"{SERVER}/test_batch_admission.py")
+    ),
     "validate": Module(
         "converters/validate.py",
         ("tests/converters/test_validate.py",),

@@ -298,3 +298,13 @@ models:
         assert sample(dp, total, model="m", version="dark", status="200") is None
     finally:
         await dp.close()
+
+
+def test_prompt_plus_max_tokens_is_checked_against_the_longest_prompt_of_a_batch():
+    from modelfleet.dataplane.server.checks import check_request
+    from modelfleet.dataplane.server.errors import BadRequest
+
+    request = CompletionRequest(model="m", prompt=["short", "long"], max_tokens=5)
+    assert check_request(ServerSettings(), request, [[1] * 4, [1] * 59], 64).max_tokens == 5
+    with pytest.raises(BadRequest, match=r"the prompt \(60 tokens\) plus max_tokens \(5\)"):
+        check_request(ServerSettings(), request, [[1] * 4, [1] * 60], 64)
