@@ -39,3 +39,24 @@ def test_stop_string_is_cut_and_never_streamed(tokenizer):
             break
     assert stopped
     assert streamed == " alpha beta "
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["stream", "window"])
+def test_multi_byte_characters_wait_for_their_last_token(tokenizer, window, monkeypatch):
+    if window:  # a tokenizer whose decode cleans up spaces takes the sliding-window decode
+        monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", None)
+    output = tokenizer.encode(" naïve 😀 é!", add_special_tokens=False)
+    deltas = feed(IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), []), output)
+    assert len(output) > len(" naïve 😀 é!")  # some characters take several tokens
+    assert "".join(d for d, _ in deltas) == " naïve 😀 é!"
+    assert not any("\ufffd" in d for d, _ in deltas)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["stream", "window"])
+def test_a_request_ending_inside_a_character_flushes_its_bytes(tokenizer, window, monkeypatch):
+    if window:
+        monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", None)
+    cut = tokenizer.encode(" ok 😀", add_special_tokens=False)[:-1]  # the emoji's last byte is missing
+    deltas = feed(IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), []), cut)
+    text = "".join(d for d, _ in deltas)
+    assert text == tokenizer.decode(cut) and text.startswith(" ok ") and text.endswith("\ufffd")
