@@ -21,6 +21,7 @@ import uvicorn
 from modelfleet.dataplane.server.settings import ServerSettings
 
 OnTimeout = Callable[[str], None]  # called with "header" or "send"
+MAX_HEAD_BYTES = 64 * 1024  # a request line and headers larger than this are refused (400)
 
 
 class _Deadlines:
@@ -29,6 +30,8 @@ class _Deadlines:
     header_timeout: float
     send_timeout: float
     on_timeout: OnTimeout
+    head_error: type[Exception] = ValueError  # what the parser turns into a 400 (httptools)
+    _head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -50,6 +53,24 @@ class _Deadlines:
         if cycle is cycle_then and (cycle is None or cycle.response_complete):  # no new head since armed
             self.on_timeout("header")
             transport.abort()
+
+    # httptools keeps every header it is sent (h11 has its own bound): count the head's bytes.
+    def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value))
+        super().on_header(name, value)  # type: ignore[misc]
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise self.head_error(f"request head over {MAX_HEAD_BYTES} bytes")
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # type: ignore[misc]
@@ -83,15 +104,18 @@ class _Deadlines:
 
 def protocol_class(settings: ServerSettings, on_timeout: OnTimeout) -> type[asyncio.Protocol]:
     """uvicorn's fastest available HTTP protocol (httptools, else h11) with the deadlines above."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    except ImportError:  # httptools is optional
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    attrs = {
+    attrs: dict[str, Any] = {
         "header_timeout": settings.header_timeout_seconds,
         "send_timeout": settings.send_timeout_seconds,
         "on_timeout": staticmethod(on_timeout),
     }
+    try:
+        import httptools
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+
+        attrs["head_error"] = httptools.HttpParserError
+    except ImportError:  # httptools is optional
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return type(f"Guarded{base.__name__}", (_Deadlines, base), attrs)
 
 
@@ -109,7 +133,7 @@ def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> uvic
         "http": protocol_class(settings, on_timeout),
         "timeout_keep_alive": settings.keep_alive_timeout_seconds,
         "ws_max_size": settings.max_request_body_bytes,
-        "h11_max_incomplete_event_size": 64 * 1024,  # a request head larger than this is refused
+        "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
     }
     options.update(overrides)
     return uvicorn.Config(app, **options)

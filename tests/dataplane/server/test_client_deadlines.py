@@ -92,6 +92,20 @@ def test_a_connection_without_a_whole_request_head_is_closed(server: GuardedServ
         assert closed_after < 3
 
 
+def test_a_request_head_over_64_kib_is_refused(server: GuardedServer):
+    """uvicorn's httptools parser kept every header it was sent, for as long as they came."""
+    sock = connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n")
+    try:
+        for _ in range(100):
+            sock.sendall(b"X-Pad: " + b"a" * 1024 + b"\r\n")
+        sock.sendall(b"\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused while sending
+    data, _ = read_until_closed(sock, timeout=3)
+    assert data.startswith(b"HTTP/1.1 400")
+
+
 def test_an_idle_keep_alive_connection_is_closed(server: GuardedServer):
     sock = connect(server)
     sock.sendall(head("GET", "/health"))
