@@ -62,6 +62,11 @@ class OperatorSettings(BaseSettings):
     conversion_deadline_seconds: int = Field(default=4 * 3600, ge=60)
     conversion_cpu: str = "4"
     conversion_memory: str = "32Gi"
+    conversion_source_allow_hosts: str = Field(
+        default="",
+        description="http(s) source hosts conversion Jobs may fetch from (names, IPs, CIDRs; comma-separated); "
+        "empty: any public address, never a private or link-local one",
+    )
 
     # The model store: a PersistentVolumeClaim in each namespace, mounted at the same path everywhere.
     model_store_claim: str = "modelfleet-models"

@@ -124,6 +124,11 @@ def conversion_job(
             {"name": "MODELFLEET_PVC_ROOT", "value": PVC_ROOT},
             {"name": "HF_HOME", "value": "/tmp/hf"},
             {"name": "HOME", "value": "/tmp"},
+            *(
+                [{"name": "MODELFLEET_SOURCE_ALLOW_HOSTS", "value": settings.conversion_source_allow_hosts}]
+                if settings.conversion_source_allow_hosts
+                else []
+            ),
         ],
         "resources": resources,
         # The summary is written to the termination log; a crash before that still leaves the log tail.
