@@ -64,8 +64,8 @@ class OperatorSettings(BaseSettings):
     conversion_memory: str = "32Gi"
     conversion_source_allow_hosts: str = Field(
         default="",
-        description="http(s) source hosts conversion Jobs may fetch from (names, IPs, CIDRs; comma-separated); "
-        "empty: any public address, never a private or link-local one",
+        description="http(s) source hosts conversion Jobs may fetch from (names, IPs, CIDRs; "
+        "comma-separated); empty: any public address, never a private or link-local one",
     )
 
     # The model store: a PersistentVolumeClaim in each namespace, mounted at the same path everywhere.
