@@ -90,7 +90,10 @@ MODULES: dict[str, Module] = {
     ),
     "authz": Module(
         "controlplane/api/deps.py",
-        ("tests/controlplane/test_controlplane_authz.py",),
+        (
+            "tests/controlplane/test_controlplane_authz.py",
+            "tests/controlplane/test_controlplane_api.py::test_revoked_and_expired_keys_are_refused_and_leave_the_secret",
+        ),
         scope=("_authenticate", "require_admin", "get_path_tenant", "get_path_model", "get_path_version"),
         pytest_args=("-m", "not postgres"),
     ),

@@ -169,3 +169,28 @@ def test_a_tenant_key_reads_only_its_own_audit_trail(client: TestClient, world: 
         assert {e["tenant"] for e in events} <= {intruder}
     own = client.get(f"{API}/audit", headers=world["intruder_headers"]).json()
     assert own["count"] > 0 and {e["tenant"] for e in own["data"]} == {intruder}
+
+
+def test_a_key_is_refused_from_the_instant_it_expires(client: TestClient, monkeypatch: pytest.MonkeyPatch):
+    from datetime import UTC, datetime, timedelta
+
+    from modelfleet.controlplane.api import deps
+    from modelfleet.controlplane.models import ApiKey
+    from sqlalchemy import update
+
+    factory = Factory(client)
+    tenant = factory.tenant()
+    key = factory.key(tenant)
+    with client.app.state.sessionmaker() as session, session.begin():
+        session.execute(
+            update(ApiKey)
+            .where(ApiKey.id == key["id"])
+            .values(expires_at=datetime.now(UTC) + timedelta(days=1))
+        )
+    with client.app.state.sessionmaker() as session:
+        expires_at = session.get(ApiKey, key["id"]).expires_at
+    monkeypatch.setattr(deps, "utcnow", lambda: expires_at - timedelta(microseconds=1))
+    assert client.get(f"{API}/me", headers=bearer(key["key"])).status_code == 200
+    monkeypatch.setattr(deps, "utcnow", lambda: expires_at)
+    refused = client.get(f"{API}/me", headers=bearer(key["key"]))
+    assert refused.status_code == 401 and "expired" in refused.json()["error"]["message"]

@@ -158,3 +158,28 @@ def test_a_non_finite_text_perplexity_fails():
     assert not result["passed"]
     assert result["perplexityRelDiff"] == "inf"
     assert result["failures"] == [f"perplexity diff inf > {TABLE['fp8'][2]}"]
+
+
+def test_a_difference_exactly_at_a_threshold_passes(monkeypatch):
+    """The logit and perplexity limits are inclusive: thresholds set to exactly the measured values pass,
+    and the next float below them fails."""
+    cand = candidate(diff=0.3)
+    diff = max((ref_logits(ids) - cand(ids)).abs().max().item() for ids in PROMPTS)
+    logit_std = diff / ref_std()
+    while logit_std * ref_std() < diff:  # the product must come back to the diff exactly
+        logit_std = math.nextafter(logit_std, math.inf)
+    assert logit_std * ref_std() == diff  # what compare() will weigh: max_diff <= std * threshold
+    monkeypatch.setitem(THRESHOLDS, "fp8", validate.Thresholds(logit_std, 0.75, 0.10))
+    result = compare(ref_logits, cand, PROMPTS, TEXT, "fp8")
+    assert result["passed"], result["failures"]
+    monkeypatch.setitem(THRESHOLDS, "fp8", validate.Thresholds(logit_std * (1 - 1e-9), 0.75, 0.10))
+    assert not compare(ref_logits, cand, PROMPTS, TEXT, "fp8")["passed"]
+
+    cand = candidate(ppl_ratio=1.02)
+    ppl_ref = validate.perplexity(ref_logits(TEXT), TEXT)
+    rel = abs(validate.perplexity(cand(TEXT), TEXT) - ppl_ref) / ppl_ref
+    monkeypatch.setitem(THRESHOLDS, "fp8", validate.Thresholds(1.0, 0.75, rel))
+    result = compare(ref_logits, cand, PROMPTS, TEXT, "fp8")
+    assert result["passed"], result["failures"]
+    monkeypatch.setitem(THRESHOLDS, "fp8", validate.Thresholds(1.0, 0.75, math.nextafter(rel, 0)))
+    assert not compare(ref_logits, cand, PROMPTS, TEXT, "fp8")["passed"]
