@@ -31,6 +31,9 @@ class EngineConfig:
     seed: int = 0
     # True: no CUDA graphs; decode steps run the model eagerly (for debugging, or to save graph memory).
     enforce_eager: bool = False
+    # Ranks one model is split over (its attention heads, MLP and vocabulary): GPUs of one node (NCCL),
+    # or processes on the CPU (gloo). It must divide the model's attention heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -55,6 +58,9 @@ class EngineConfig:
             )
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: {self.enforce_eager!r} must be true or false")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            _check_tensor_parallel(self)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
@@ -79,6 +85,38 @@ def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int) -> None:
             f"max_num_batched_tokens: {max_num_batched_tokens} is below max_model_len {max_model_len}; "
             "raise it or enable chunked prefill"
         )
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    """The model's heads and MLP split over the ranks, and a GPU per rank where GPUs are asked for.
+    (A missing or broken config.json is reported when the model loads.)"""
+    import json
+
+    from modelfleet.dataplane.parallel.sharding import check_tensor_parallel
+
+    try:
+        raw = json.loads((Path(config.model) / "config.json").read_text())
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        intermediate = int(raw["intermediate_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    else:
+        check_tensor_parallel(
+            config.tensor_parallel_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            intermediate_size=intermediate,
+        )
+    if config.device is not None and str(config.device).startswith("cuda"):
+        import torch
+
+        # device_count opens no CUDA context (the server process needs none).
+        count = torch.cuda.device_count()
+        if config.tensor_parallel_size > count:
+            raise ValueError(
+                f"tensor_parallel_size: {config.tensor_parallel_size} exceeds the {count} GPUs of this node"
+            )
 
 
 def _positive_int(name: str, value: Any) -> None:

@@ -17,7 +17,16 @@ logger = logging.getLogger(__name__)
 class AsyncLLM(ThreadedEngine):
     def __init__(self, model: str | Path, **engine_config: Any) -> None:
         self.engine = LLMEngine.from_kwargs(model, **engine_config)
+        self.engine.set_failure_hook(self._engine_failed)
         self._start("modelfleet-engine")
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine can step no more (a tensor-parallel rank died): its owner unloads it."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     @property
     def tokenizer(self) -> Any:
@@ -46,12 +55,18 @@ class AsyncLLM(ThreadedEngine):
             except Exception as exc:  # a broken step fails every request in flight, loudly
                 logger.exception("engine step failed")
                 self._fail_all(RuntimeError(f"engine step failed: {exc}"))
+                if self.engine.failure is not None:
+                    self._engine_failed(self.engine.failure)
                 continue
             for output in outputs:
                 self._deliver(output.request_id, output)
         # Closed: nothing will answer the requests still in flight, so end their streams loudly.
         self._commands.clear()
         self._fail_all(RuntimeError("AsyncLLM was closed"))
+
+    def close(self) -> None:
+        super().close()
+        self.engine.close()
 
     def _apply_commands(self) -> None:
         while self._commands:

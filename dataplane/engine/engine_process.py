@@ -8,7 +8,8 @@ be forked) and the caller's process only checks requests, tokenizes and serves.
 Parent and child talk over one pipe. Parent -> child: ("add", request_id, priority, (token_ids, params)),
 ("abort", request_id), ("close",). Child -> parent: ("ready", info), ("outputs", [RequestOutput], stats),
 ("refused", request_id, message), ("failed", message) when a step raised, ("error", message) when the
-engine could not be built. A reader thread in the parent delivers outputs to the requests' streams; if
+engine could not be built, ("fatal", message) just before it exits because it can step no more (a
+tensor-parallel rank died). A reader thread in the parent delivers outputs to the requests' streams; if
 the child dies, every open stream ends with an error and `failure` says why, so that the owner (the
 server's model manager) starts a new engine.
 """
@@ -16,9 +17,11 @@ server's model manager) starts a new engine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import multiprocessing
+import os
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -92,6 +95,7 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
 
     def _run(self) -> None:
         """Reader thread: the child's messages to the requests' streams."""
+        fatal = None
         while True:
             try:
                 message = self._conn.recv()
@@ -107,9 +111,13 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             elif kind == "failed":
                 logger.error("engine step failed: %s", message[1])
                 self._fail_all(RuntimeError(f"engine step failed: {message[1]}"))
+            elif kind == "fatal":
+                fatal = message[1]
         if not self._closed:
             self._process.join(timeout=5)  # for its exit code
             self.failure = f"the engine process exited (code {self._process.exitcode})"
+            if fatal is not None:
+                self.failure = f"{fatal}; {self.failure}"
             logger.error("%s", self.failure)
             if self.on_failure is not None:
                 try:
@@ -143,10 +151,33 @@ def run_engine_process(conn: Connection, config: Any) -> None:
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    conn = _LockedConnection(conn)  # the tensor-parallel monitor thread sends too
+    # A dead rank may leave this process waiting in a collective for good: say why, and exit.
+    engine.set_failure_hook(functools.partial(_exit_fatal, conn))
     info = {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
     conn.send(("ready", {**info, "stats": engine.stats()}))
     with contextlib.suppress(EOFError, OSError):  # the parent is gone
         _serve(conn, engine)
+    engine.close()
+
+
+class _LockedConnection:
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.recv = conn.recv
+        self.poll = conn.poll
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self._conn.send(message)
+
+
+def _exit_fatal(conn: _LockedConnection, reason: str) -> None:
+    logging.getLogger(__name__).error("the engine can step no more: %s", reason)
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(("fatal", reason))
+    os._exit(1)
 
 
 def _serve(conn: Connection, engine: Any) -> None:
@@ -166,6 +197,8 @@ def _serve(conn: Connection, engine: Any) -> None:
             for request_id in list(engine.scheduler.requests):
                 engine.abort(request_id)
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            if engine.failure is not None:
+                _exit_fatal(conn, engine.failure)
             continue
         if outputs:
             conn.send(("outputs", outputs, engine.stats()))

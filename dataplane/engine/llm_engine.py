@@ -172,6 +172,23 @@ class LLMEngine(PromptChecks):
     def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs))
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), or None."""
+        return getattr(self.runner, "failure", None)
+
+    def set_failure_hook(self, hook: Any) -> None:
+        """`hook(reason)` is called, from a monitor thread, when a tensor-parallel rank dies."""
+        workers = getattr(self.runner, "workers", None)
+        if workers is not None:
+            workers.on_failure = hook
+
+    def close(self) -> None:
+        """Stops the tensor-parallel worker processes (nothing to stop with one rank)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def add_request(
         self,
         request_id: str,

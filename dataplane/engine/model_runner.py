@@ -7,6 +7,12 @@ after loading the weights (accelerators); nothing is allocated per token.
 sampled tokens. A step may be launched before the previous step's tokens reach the host: an input
 token still in flight is read on the device from the previous step's sampled tokens (`sampled_ids`,
 at the sequence's `sample_row`).
+
+Tensor parallelism (tensor_parallel_size > 1): this runner is rank 0 and drives one worker process per
+other rank (parallel/workers.py), each with a ModelRunner of its own slice of the model and its KV heads.
+`launch` sends every rank the step's host arrays before running its own part; the ranks meet in the
+model's collectives, in-flight input ids are broadcast from rank 0 (only it samples), and the logits
+are gathered from every rank's vocabulary shard. With one rank nothing of this runs.
 """
 
 from __future__ import annotations
@@ -14,12 +20,17 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.parallel.worker import WorkerLink
+    from modelfleet.dataplane.parallel.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -69,26 +80,51 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, max_model_len: int | None = None, *, link: WorkerLink | None = None
+    ) -> None:
+        """`link`: set in a tensor-parallel worker (rank > 0): its group, device and rank 0's pipe."""
         from modelfleet.dataplane.device import resolve_device
-        from modelfleet.dataplane.models import kv_cache_block_bytes, load_model
 
-        self.device = resolve_device(config.device)
+        # Rank 0's handle on the other ranks' processes; None with one rank and in the workers.
+        self.workers: WorkerGroup | None = None
+        self.tp = None if link is None else link.group
+        self.device = resolve_device(config.device) if link is None else link.device
+        if link is None and config.tensor_parallel_size > 1:
+            from modelfleet.dataplane.parallel.workers import WorkerGroup
+
+            self.workers = WorkerGroup(config, max_model_len, self.device)
+            self.tp = self.workers.group
+        try:
+            self._build(config, max_model_len, link or self.workers)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, max_model_len: int | None, peers: object) -> None:
+        from modelfleet.dataplane.models import kv_cache_block_bytes, load_model, num_local_kv_heads
+
+        tp_size = config.tensor_parallel_size
         if self.device.type == "cpu":
-            from modelfleet.dataplane.device import configure_cpu_threads
+            from modelfleet.dataplane.device import configure_cpu_threads, cpu_threads
 
-            logger.info("CPU threads: %d", configure_cpu_threads())
+            if tp_size == 1:
+                logger.info("CPU threads: %d", configure_cpu_threads())
+            else:  # the ranks share the cores
+                torch.set_num_threads(max(1, cpu_threads() // tp_size))
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model = load_model(config.model, device=self.device, dtype=self.dtype)
+        self.model = load_model(config.model, device=self.device, dtype=self.dtype, tp=self.tp)
         self.model_config = self.model.config
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
 
-        self.block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.dtype)
+        self.block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.dtype, tp_size)
         budget = self._kv_cache_budget(config)
         # Blocks beyond what max_num_seqs sequences of max_model_len tokens can fill would never be used.
         max_useful = config.max_num_seqs * -(-self.max_model_len // self.block_size)
         self.num_blocks = min(budget // self.block_bytes, max_useful)
+        if peers is not None:  # every rank holds as many blocks as the tightest one
+            self.num_blocks = peers.agree_num_blocks(self.num_blocks)
         if self.num_blocks < 1:
             field = "kv_cache_bytes" if self.device.type == "cpu" else "kv_cache_memory_fraction"
             raise ValueError(
@@ -96,7 +132,8 @@ class ModelRunner:
                 "raise it"
             )
         mc = self.model_config
-        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        kv_heads = num_local_kv_heads(mc, tp_size)
+        shape = (mc.num_layers, 2, self.num_blocks, self.block_size, kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         logger.info(
@@ -108,7 +145,8 @@ class ModelRunner:
             self.device,
             budget / 2**20,
         )
-        self.sampler = Sampler(self.device, seed=config.seed)
+        # Only rank 0 samples.
+        self.sampler = Sampler(self.device, seed=config.seed) if self.is_first_rank else None
         # The latest step's sampled tokens, by sampling row: the next step's in-flight input ids.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.decode_graphs = self._capture_decode_graphs(config)
@@ -120,8 +158,13 @@ class ModelRunner:
             return None
         from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
 
+        model = self.model
+        if self.tp is not None:
+            from modelfleet.dataplane.parallel.worker import InputIdsFromFirstRank
+
+            model = InputIdsFromFirstRank(self.model, self.tp)
         runner = model_decode_runner(
-            self.model,
+            model,
             self.kv_caches,
             self.sampled_ids,
             max_batch_size=config.max_num_seqs,
@@ -133,6 +176,20 @@ class ModelRunner:
         with torch.inference_mode():
             runner.capture()
         return runner
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.tp is None or self.tp.rank == 0
+
+    @property
+    def failure(self) -> str | None:
+        """Why the tensor-parallel group can no longer step (a rank died), or None."""
+        return None if self.workers is None else self.workers.failure
+
+    def close(self) -> None:
+        """Stops the other ranks' processes (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.close()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -186,14 +243,62 @@ class ModelRunner:
         slot_mapping = block_tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
 
         graphs = self.decode_graphs
-        if (
+        use_graph = (
             graphs is not None
             and num_tokens == num_seqs
             and num_seqs <= graphs.max_batch
             and max_blocks <= graphs.buffers["block_tables"].shape[1]
-        ):
+        )
+        inputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
+        max_query_len = 1 if num_tokens == num_seqs else int(query_lens.max())
+        if self.workers is not None:
+            return self._launch_parallel(out, use_graph, inputs, max_query_len)
+        hidden = self._forward(use_graph, *inputs, max_query_len)
+        return self._sample(out, hidden, cu_query)
+
+    def _launch_parallel(
+        self, out: SchedulerOutput, use_graph: bool, inputs: tuple, max_query_len: int
+    ) -> LaunchedStep:
+        """Rank 0 of several: the other ranks get the step first, then all run it together."""
+        workers = self.workers
+        if workers.failure is not None:
+            raise RuntimeError(f"tensor parallelism: {workers.failure}")
+        cu_query = inputs[4]
+        sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
+        # The hidden rows whose logits are computed (the gather is a collective every rank joins).
+        logit_rows = (cu_query[1:][sampling_rows] - 1) if sampling_rows else None
+        workers.send_step(("step", use_graph, inputs, max_query_len, logit_rows))
+        try:
+            hidden = self._forward(use_graph, *inputs, max_query_len)
+            return self._sample(out, hidden, cu_query)
+        except Exception as exc:  # the ranks are out of step now: none can run another
+            workers.fail(f"rank 0's step raised {type(exc).__name__}: {exc}")
+            raise
+
+    @torch.inference_mode()
+    def execute(self, message: tuple) -> None:
+        """A worker's part of one step (see _launch_parallel); the logits it helps gather are rank 0's."""
+        _, use_graph, inputs, max_query_len, logit_rows = message
+        hidden = self._forward(use_graph, *inputs, max_query_len)
+        if logit_rows is not None:
+            index = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
+            self.model.compute_logits(hidden[index], float32=False)
+
+    def _forward(
+        self,
+        use_graph: bool,
+        input_ids: np.ndarray,
+        src_rows: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        cu_query: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        max_query_len: int,
+    ) -> torch.Tensor:
+        if use_graph:
             # Host arrays go through the runner's pinned buffers: no host sync before the replay.
-            hidden = graphs.run(
+            return self.decode_graphs.run(
                 {
                     "input_ids": input_ids,
                     "src_rows": src_rows,
@@ -202,13 +307,11 @@ class ModelRunner:
                     "seq_lens": seq_lens.astype(np.int32),
                     "block_tables": block_tables,
                 },
-                batch_size=num_seqs,
+                batch_size=len(seq_lens),
             )
-        else:
-            hidden = self._forward_eager(
-                input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, query_lens
-            )
-        return self._sample(out, hidden, cu_query)
+        return self._forward_eager(
+            input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, max_query_len
+        )
 
     def _forward_eager(
         self,
@@ -219,7 +322,7 @@ class ModelRunner:
         cu_query: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
-        query_lens: np.ndarray,
+        max_query_len: int,
     ) -> torch.Tensor:
         from modelfleet.dataplane.attention import AttentionMetadata
 
@@ -234,7 +337,7 @@ class ModelRunner:
             query_start_loc=to_device(cu_query.astype(np.int32)),
             seq_lens=to_device(seq_lens.astype(np.int32)),
             block_tables=to_device(block_tables),
-            max_query_len=int(query_lens.max()),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
         )
         ids = to_device(input_ids)
@@ -242,6 +345,8 @@ class ModelRunner:
             from modelfleet.dataplane.kernels.cuda_graphs import take_inflight_ids
 
             ids = take_inflight_ids(ids, to_device(src_rows), self.sampled_ids)
+            if self.tp is not None:  # only rank 0 sampled them
+                self.tp.broadcast(ids)
         return self.model(ids, to_device(positions), self.kv_caches, metadata)
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, cu_query: np.ndarray) -> LaunchedStep:

@@ -10,6 +10,7 @@ CausalLM contract (used by the engine's model runner):
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from modelfleet.dataplane.attention import get_backend
@@ -23,7 +24,11 @@ from modelfleet.dataplane.models.config import (
 )
 from modelfleet.dataplane.models.llama import LlamaForCausalLM
 from modelfleet.dataplane.models.loader import CheckpointError, load_weights
+from modelfleet.dataplane.parallel.sharding import split_heads
 from modelfleet.dataplane.quantization import QuantizationError, check_fp8_supported
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.parallel.group import TensorParallelGroup
 
 CausalLM = LlamaForCausalLM  # the one family implemented; others would share its interface
 
@@ -38,13 +43,30 @@ __all__ = [
     "UnsupportedModelError",
     "kv_cache_block_bytes",
     "load_model",
+    "num_local_kv_heads",
 ]
 
 
-def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV-cache block across all layers: K and V, block_size tokens, every KV head."""
+def kv_cache_block_bytes(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> int:
+    """Bytes of one KV-cache block across all layers: K and V, block_size tokens, every KV head (of
+    one rank: each tensor-parallel rank holds its heads' KV)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    return (
+        2
+        * config.num_layers
+        * block_size
+        * num_local_kv_heads(config, tensor_parallel_size)
+        * (config.head_dim * element)
+    )
+
+
+def num_local_kv_heads(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """KV heads one rank holds."""
+    if tensor_parallel_size == 1:
+        return config.num_kv_heads
+    return split_heads(config.num_heads, config.num_kv_heads, 0, tensor_parallel_size).num_kv_heads
 
 
 def load_model(
@@ -53,8 +75,10 @@ def load_model(
     device: torch.device | str,
     dtype: torch.dtype,
     attention_backend: str | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model on the meta device, then take its weights from memory-mapped safetensors."""
+    """Build the model on the meta device, then take its weights from memory-mapped safetensors (with
+    `tp`, this rank's slice of the model and of the weights)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     config = ModelConfig.from_dir(model_dir)
@@ -62,9 +86,10 @@ def load_model(
         check_fp8_supported(device)  # one clear line at load time rather than at the first request
     backend = get_backend(attention_backend or attention_backend_name(device))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        model = LlamaForCausalLM(config, backend, tp)
     # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): ignore it.
     ignore = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    ignore |= model.tensors_held_elsewhere()
     load_weights(model, model_dir, device, dtype, ignore=ignore)
     model.after_load(device)
     model.requires_grad_(False)

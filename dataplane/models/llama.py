@@ -2,22 +2,42 @@
 
 Module names follow the Hugging Face checkpoints except for the fused projections
 (`qkv_proj` = q|k|v, `gate_up_proj` = gate|up), which the loader assembles from the parts.
+
+With a tensor-parallel group (`tp`) each rank builds its slice (parallel/sharding.py): q/k/v and
+gate/up are column-parallel (the rank's heads, the rank's MLP columns), o_proj and down_proj
+row-parallel with an all-reduce after them, the embedding and the LM head split by vocabulary. A
+sliced module carries a `tp_shard` telling the loader which rows or columns to read. Without `tp`
+(one device) the model is the plain one.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.attention.backend import AttentionBackend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 from modelfleet.dataplane.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, make_linear
+from modelfleet.dataplane.layers.vocab_parallel import VocabParallelEmbedding
 from modelfleet.dataplane.models.config import ModelConfig
+from modelfleet.dataplane.parallel.sharding import Shard, even_range, split_heads, vocab_range
 from torch import nn
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.parallel.group import TensorParallelGroup
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -25,7 +45,12 @@ class LlamaAttention(nn.Module):
         self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
         self.backend = backend
         quant = config.quantization.format if config.quantization else None
-        self.qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
+        split = None
+        if tp is not None:
+            split = split_heads(config.num_heads, config.num_kv_heads, tp.rank, tp.size)
+            self.num_heads, self.num_kv_heads = split.num_heads, split.num_kv_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = make_linear(
             config.hidden_size,
             self.qkv_sizes,
@@ -33,9 +58,17 @@ class LlamaAttention(nn.Module):
             bias=config.qkv_bias,
             quant_format=quant,
         )
+        # Row-parallel: rank 0 alone adds the bias, before the all-reduce sums the ranks' parts.
         self.o_proj = make_linear(
-            config.q_size, [config.hidden_size], bias=config.o_proj_bias, quant_format=quant
+            q_size, [config.hidden_size], bias=config.o_proj_bias and _is_first(tp), quant_format=quant
         )
+        if split is not None:
+            q_rows = (split.first_head * self.head_dim, split.first_head * self.head_dim + q_size)
+            kv_start = split.first_kv_head * self.head_dim
+            kv_rows = (kv_start, kv_start + kv_size)
+            full = (config.q_size, config.kv_size, config.kv_size)
+            self.qkv_proj.tp_shard = Shard(dim=0, ranges=(q_rows, kv_rows, kv_rows), full_sizes=full)
+            self.o_proj.tp_shard = Shard(dim=1, ranges=(q_rows,), full_sizes=(config.q_size,))
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -63,13 +96,15 @@ class LlamaAttention(nn.Module):
         out = self.backend.forward(
             q, kv_cache, attn_metadata, self.scale, key=k, value=v, sliding_window=self.sliding_window
         )
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        self.tp = tp
+        size = config.intermediate_size if tp is None else config.intermediate_size // tp.size
         quant = config.quantization.format if config.quantization else None
         self.gate_up_proj = make_linear(
             config.hidden_size,
@@ -79,17 +114,31 @@ class LlamaMLP(nn.Module):
             quant_format=quant,
         )
         self.act = SiluAndMul()
-        self.down_proj = make_linear(size, [config.hidden_size], bias=config.mlp_bias, quant_format=quant)
+        self.down_proj = make_linear(
+            size, [config.hidden_size], bias=config.mlp_bias and _is_first(tp), quant_format=quant
+        )
+        if tp is not None:
+            full = config.intermediate_size
+            cols = even_range(full, tp.rank, tp.size)
+            self.gate_up_proj.tp_shard = Shard(dim=0, ranges=(cols, cols), full_sizes=(full, full))
+            self.down_proj.tp_shard = Shard(dim=1, ranges=(cols,), full_sizes=(full,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: AttentionBackend,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -115,26 +164,43 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, backend) for i in range(config.num_layers))
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend, tp) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """CausalLM over a paged KV cache; see modelfleet.dataplane.models for the contract."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, tp: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
         # Tied embeddings: the output projection is the embedding matrix, no separate tensor.
-        self.lm_head = (
-            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            if tp is None:
+                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            else:  # the rank's vocabulary shard, as the embedding's
+                start, end, padded = vocab_range(config.vocab_size, tp.rank, tp.size)
+                self.lm_head = Linear(config.hidden_size, padded, bias=False)
+                self.lm_head.tp_shard = Shard(
+                    dim=0, ranges=((start, end),), full_sizes=(config.vocab_size,), rows=padded
+                )
 
     def forward(
         self,
@@ -157,11 +223,14 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab]: float32, or in the model dtype with float32=False
-        (for a sampler that reads them once; the matmul is in the model dtype either way, as HF does)."""
+        (for a sampler that reads them once; the matmul is in the model dtype either way, as HF does).
+        Tensor-parallel: a collective, so every rank calls it for the same rows."""
         if self.lm_head is None:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
+        if self.tp is not None:  # every rank's vocabulary shard side by side, the padding cut off
+            logits = self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
         return logits.float() if float32 else logits
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
@@ -173,3 +242,19 @@ class LlamaForCausalLM(nn.Module):
     def after_load(self, device: torch.device) -> None:
         """Recompute the tensors that are derived rather than loaded, on the target device."""
         self.rotary.to_device(device)
+
+    def tensors_held_elsewhere(self) -> set[str]:
+        """Checkpoint tensors this rank does not load: row-parallel biases live on rank 0 only."""
+        if _is_first(self.tp):
+            return set()
+        names: set[str] = set()
+        for i in range(self.config.num_layers):
+            if self.config.o_proj_bias:
+                names.add(f"model.layers.{i}.self_attn.o_proj.bias")
+            if self.config.mlp_bias:
+                names.add(f"model.layers.{i}.mlp.down_proj.bias")
+        return names
+
+
+def _is_first(tp: TensorParallelGroup | None) -> bool:
+    return tp is None or tp.rank == 0

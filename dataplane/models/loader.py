@@ -1,4 +1,9 @@
-"""Fill a meta-device model from safetensors files (memory-mapped), checking every tensor first."""
+"""Fill a meta-device model from safetensors files (memory-mapped), checking every tensor first.
+
+A tensor-parallel rank reads only its slice of each sharded tensor (a module's `tp_shard`, see
+parallel/sharding.py), with safetensors' get_slice: rows for column-parallel and vocabulary shards,
+input columns for row-parallel weights.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from modelfleet.dataplane.parallel.sharding import Shard
 from safetensors import safe_open
 from torch import nn
 
@@ -55,6 +61,12 @@ class _Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def get_slice(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._where[name].get_slice(name)[index]
+
 
 def _sources(model: nn.Module, param_name: str) -> list[str]:
     """Checkpoint names whose tensors make up one of our parameters (several for fused projections)."""
@@ -74,6 +86,32 @@ def _part_shapes(model: nn.Module, param_name: str, shape: torch.Size) -> list[t
     return [tuple(shape)]
 
 
+def _sharded_source(
+    shard: Shard | None, attr: str, part: int, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[slice, ...] | None]:
+    """(the checkpoint tensor's full shape, the slice this rank reads or None for all of it) for part
+    `part` of a module's tensor `attr` whose local shape is `shape`."""
+    if shard is None:
+        return shape, None
+    if shard.dim == 0:  # every tensor of the module is cut by rows
+        start, end = shard.ranges[part]
+        return (shard.full_sizes[part], *shape[1:]), (slice(start, end),)
+    if attr != "weight":  # row-parallel bias and per-output-channel scale: whole
+        return shape, None
+    start, end = shard.ranges[0]
+    return (shape[0], shard.full_sizes[0]), (slice(None), slice(start, end))
+
+
+def _read(ckpt: _Checkpoint, source: str, index: tuple[slice, ...] | None, rows: int | None) -> torch.Tensor:
+    if index is None:
+        return ckpt.get(source)
+    tensor = ckpt.get_slice(source, index)
+    if rows is not None and tensor.shape[0] < rows:  # a vocabulary shard's padding
+        pad = torch.zeros((rows - tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+        tensor = torch.cat([tensor, pad])
+    return tensor
+
+
 def _convert(name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # Floating weights take the serving dtype; quantized payloads (int8/fp8) and their scales keep theirs.
     quantized = tensor.dtype in _QUANTIZED_DTYPES or name.endswith("_scale")
@@ -88,16 +126,20 @@ def iter_state_dict(
     """Yield (our name, tensor) for every parameter of `model`, raising CheckpointError on any mismatch."""
     expected = model.state_dict(keep_vars=True)
     for name, param in expected.items():
+        module_name, _, attr = name.rpartition(".")
+        shard = getattr(model.get_submodule(module_name) if module_name else model, "tp_shard", None)
         parts = []
-        for source, shape in zip(_sources(model, name), _part_shapes(model, name, param.shape), strict=True):
+        local_shapes = _part_shapes(model, name, param.shape)
+        for i, (source, local) in enumerate(zip(_sources(model, name), local_shapes, strict=True)):
+            shape, index = _sharded_source(shard, attr, i, local)
             if source not in ckpt:
                 raise CheckpointError(f"checkpoint is missing tensor {source!r} (shape {list(shape)})")
-            tensor = ckpt.get(source)
-            if tuple(tensor.shape) != shape:
+            if ckpt.shape(source) != shape:
                 raise CheckpointError(
-                    f"checkpoint tensor {source!r} has shape {list(tensor.shape)}; "
+                    f"checkpoint tensor {source!r} has shape {list(ckpt.shape(source))}; "
                     f"config.json implies {list(shape)}"
                 )
+            tensor = _read(ckpt, source, index, shard.rows if shard is not None else None)
             if param.dtype in _QUANTIZED_DTYPES and tensor.dtype != param.dtype:
                 raise CheckpointError(
                     f"checkpoint tensor {source!r} has dtype {tensor.dtype}; config.json quantization_config "
