@@ -193,6 +193,13 @@ class DataPlane:
                         await stack.enter_async_context(gate.admit(sequences))
                     finally:
                         self.metrics.queue_waiting.set(self.admission.waiting)
+                if slot.engine is None:  # its engine died while this request waited, and is reloading
+                    raise ModelUnavailable(
+                        f"version '{model_name}@{version}': its engine stopped while this request waited "
+                        "and is loading again; retry",
+                        code="engine_restarting",
+                        retry_after=1.0,
+                    )
                 for shadow in decision_shadows:
                     self._mirror(model_name, shadow, prompts, params, request.n)
         except BaseException as exc:

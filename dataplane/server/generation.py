@@ -49,6 +49,7 @@ class Generation:
         self.span = span
         self.stack = stack
         self.slot = slot
+        self.engine = slot.engine  # the one it was admitted to, even if the slot reloads meanwhile
         self.renderer = renderer
         self.prompts = prompts
         self.params = params
@@ -67,13 +68,13 @@ class Generation:
         async with contextlib.aclosing(self._events()) as events:
             async for event in events:
                 self.renderer.add(event)
-        return self.renderer.response(self.slot.engine.tokenizer)
+        return self.renderer.response(self.engine.tokenizer)
 
     async def chunks(self) -> AsyncIterator[Any]:
         """Streaming chunks. Usage comes as OpenAI sends it (an extra chunk) when the client asked with
         `stream_options.include_usage`; otherwise it rides on the chunk that finishes the last choice, so
         every answer carries its usage."""
-        tokenizer = self.slot.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         opened = False
         num_choices, finished = len(self.prompts) * self.n, 0
         async with contextlib.aclosing(self._events()) as events:
@@ -104,7 +105,7 @@ class Generation:
         prefill = dp.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
         decode: Span | None = None
         try:
-            stream = merged_events(self.slot.engine, self.prompts, self.params, self.n, self.request_id)
+            stream = merged_events(self.engine, self.prompts, self.params, self.n, self.request_id)
             async with contextlib.aclosing(stream):
                 async for event in stream:
                     if event.new_token_ids:
