@@ -272,7 +272,7 @@ class ModelRunner:
             hidden = self._forward(use_graph, *inputs, max_query_len)
             return self._sample(out, hidden, cu_query)
         except Exception as exc:  # the ranks are out of step now: none can run another
-            workers.fail(f"rank 0's step raised {type(exc).__name__}: {exc}")
+            workers.step_failed(exc)
             raise
 
     @torch.inference_mode()

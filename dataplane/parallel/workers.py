@@ -62,6 +62,10 @@ class WorkerGroup:
         size = config.tensor_parallel_size
         devices = rank_devices(device, size)
         set_collective_env()
+        if multiprocessing.current_process().daemon:
+            # An engine process is a daemon of the server's, which multiprocessing bars from having
+            # children; its workers end with it (daemons themselves, plus their lifeline), so it may.
+            multiprocessing.current_process().daemon = False
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
         self.failure: str | None = None
@@ -148,6 +152,21 @@ class WorkerGroup:
             self.fail(f"a tensor-parallel rank stopped reading its steps ({exc})")
             raise TensorParallelError(self.failure) from exc
 
+    def step_failed(self, exc: BaseException) -> None:
+        """Rank 0's part of a step raised: the ranks are out of step for good. A collective breaks when
+        a peer dies, so a dead worker is the likelier cause: it is named when there is one."""
+        dead = wait([process.sentinel for process in self.processes], timeout=1.0)
+        for rank, process in enumerate(self.processes, start=1):
+            if process.sentinel in dead:
+                self._fail_dead(rank)
+                return
+        self.fail(f"rank 0's step raised {type(exc).__name__}: {exc}")
+
+    def _fail_dead(self, rank: int) -> None:
+        process = self.processes[rank - 1]
+        process.join(timeout=1)
+        self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+
     def fail(self, reason: str) -> None:
         """The group can run no more steps: records why, stops the workers, tells the owner (once)."""
         if self.failure is not None:
@@ -165,10 +184,7 @@ class WorkerGroup:
         ready = wait([*sentinels, self._monitor_wake])
         if self._closing or self._monitor_wake in ready:
             return
-        rank = next(sentinels[s] for s in ready if s in sentinels)
-        process = self.processes[rank - 1]
-        process.join(timeout=1)
-        self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+        self._fail_dead(next(sentinels[s] for s in ready if s in sentinels))
 
     def close(self) -> None:
         """Asks the workers to stop, then kills those that do not within a few seconds."""
