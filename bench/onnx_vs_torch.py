@@ -1,4 +1,4 @@
-"""CPU decode throughput: the onnxruntime runner on ONNX artifacts against our torch engine, same model.
+"""CPU decode throughput: the engine on ONNX artifacts (onnxruntime) against the engine on torch, same model.
 
 Converts the model with `modelfleet convert` (ONNX float32 and onnxruntime int8) and generates the same
 batch of random-token prompts with each, EOS ignored, so every side produces batch x output-len tokens.
@@ -54,11 +54,17 @@ def convert_artifacts(model: Path, work: Path) -> dict[str, dict]:
 
 
 def torch_runner(model: Path, prompts: list[list[int]], output_len: int):
-    from modelfleet.dataplane import LLM, SamplingParams
+    from modelfleet.dataplane import LLM
 
     llm = LLM(
         str(model), dtype="float32", device="cpu", enable_prefix_caching=False, max_num_seqs=len(prompts)
     )
+    return engine_runner(llm, prompts, output_len)
+
+
+def engine_runner(llm, prompts: list[list[int]], output_len: int):
+    from modelfleet.dataplane import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
 
@@ -73,19 +79,15 @@ def torch_runner(model: Path, prompts: list[list[int]], output_len: int):
 
 
 def onnx_runner(artifact: Path, prompts: list[list[int]], output_len: int, threads: int):
+    """The ONNX engine: the torch engine's request loop over onnxruntime."""
+    import functools
+
+    from modelfleet.dataplane import LLM
+    from modelfleet.dataplane.onnx_engine import graph_engine
     from modelfleet.dataplane.onnx_runner import OnnxRunner
 
-    runner = OnnxRunner(artifact, num_threads=threads)
-    runner.generate([prompts[0]], max_new_tokens=2, ignore_eos=True)  # warm-up
-
-    def run() -> float:
-        started = time.perf_counter()
-        results = runner.generate(prompts, max_new_tokens=output_len, ignore_eos=True)
-        elapsed = time.perf_counter() - started
-        assert all(len(r.token_ids) == output_len for r in results)
-        return elapsed
-
-    return run
+    graph = functools.partial(OnnxRunner, num_threads=threads)
+    return engine_runner(LLM(graph_engine(artifact, graph, max_num_seqs=len(prompts))), prompts, output_len)
 
 
 def main() -> int:

@@ -13,8 +13,9 @@ from modelfleet.dataplane.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | Path, **engine_config: Any) -> None:
-        self.engine = LLMEngine.from_kwargs(model, **engine_config)
+    def __init__(self, model: str | Path | LLMEngine, **engine_config: Any) -> None:
+        """model: a checkpoint folder, or an engine already built (e.g. onnx_engine.graph_engine's)."""
+        self.engine = model if isinstance(model, LLMEngine) else LLMEngine.from_kwargs(model, **engine_config)
         self._ids = itertools.count()
 
     @property

@@ -1,5 +1,6 @@
 """Serve a TensorRT artifact: a serialized engine (`model.plan`) built from the ONNX export, with the ONNX
-graph's inputs and outputs (see onnx_runner.py), so the ONNX engine's request loop drives it unchanged.
+graph's inputs and outputs (see onnx_runner.py), so the ONNX engine's request loop drives it unchanged:
+batches up to the engine profile's batch size, sampling on the GPU.
 
 Needs the `tensorrt` package and an NVIDIA GPU; where either is missing, loading fails with
 `TensorRTUnavailable` naming what is missing (the version's /ready entry says so, requests get 503). The
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from modelfleet.dataplane.onnx_engine import AsyncOnnxEngine
+from modelfleet.dataplane.onnx_runner import sequence_logits
 
 ENGINE_FILE = "model.plan"
 
@@ -39,7 +41,10 @@ def require_tensorrt() -> Any:
 
 
 class TensorRTRunner:
-    """One engine and its execution context: OnnxRunner's `forward` contract, the cache kept on the GPU."""
+    """One engine and its execution context: OnnxRunner's `forward` contract, the cache and the logits
+    kept on the GPU (where the sampler's kernel reads them)."""
+
+    device = "cuda"
 
     def __init__(self, model_dir: str | Path) -> None:
         trt = require_tensorrt()
@@ -53,9 +58,6 @@ class TensorRTRunner:
         self.num_layers = config["num_hidden_layers"]
         self.num_kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
         self.head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        self.vocab_size = config["vocab_size"]
-        eos = config.get("eos_token_id")
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
@@ -86,8 +88,8 @@ class TensorRTRunner:
 
     def forward(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, cache: list[Any]
-    ) -> tuple[np.ndarray, list]:
-        """One step: logits [B, S, V] (float32, on the host) and the grown cache (on the GPU)."""
+    ) -> tuple[Any, list]:
+        """One step: logits [B, S, V] and the grown cache, both on the GPU."""
         torch = self._torch
         seq = input_ids.shape[1]
         positions = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)[:, -seq:]
@@ -116,34 +118,15 @@ class TensorRTRunner:
         if not self.context.execute_async_v3(stream.cuda_stream):
             raise RuntimeError("the TensorRT engine failed to run a step")
         stream.synchronize()
-        logits = outputs["logits"].float().cpu().numpy()
-        return logits, [outputs[name] for name in names[1:]]
+        return outputs["logits"], [outputs[name] for name in names[1:]]
 
     def logits(self, ids: list[int], split: int | None = None) -> np.ndarray:
-        """Logits [T, V] of one sequence: a prefill of ids[:split], then the rest through the cache."""
-        split = len(ids) // 2 if split is None else split
-        arr = np.array([ids], dtype=np.int64)
-        cache, outs = self.empty_cache(1), []
-        for lo, hi in ((0, split), (split, len(ids))):
-            if hi > lo:
-                out, cache = self.forward(arr[:, lo:hi], np.ones((1, hi), dtype=np.int64), cache)
-                outs.append(out[0])
-        return np.concatenate(outs).astype(np.float32)
+        """Logits [T, V] of one sequence (float32, on the host): a prefill of ids[:split], then the rest
+        through the cache."""
+        return sequence_logits(self, ids, split)
 
 
 class AsyncTensorRTEngine(AsyncOnnxEngine):
-    """The ONNX engine's loop (one request at a time) over a TensorRT runner."""
+    """The engine's request loop (engine/graph_runner.py) over a TensorRT runner."""
 
     runner_class = TensorRTRunner
-
-    def __init__(self, model: str | Path, **engine_config: Any) -> None:
-        super().__init__(model, **engine_config)
-        limit = self.runner.max_tokens
-        if self.max_model_len > limit:
-            if self.config.max_model_len is not None:
-                self.close()
-                raise ValueError(
-                    f"max_model_len: {self.config.max_model_len} exceeds the {limit} tokens this TensorRT "
-                    "engine was built for; lower it"
-                )
-            self.max_model_len = limit

@@ -93,7 +93,8 @@ class _RequestState:
 
 
 class LLMEngine(PromptChecks):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner_class: Any = None) -> None:
+        """runner_class(config, max_model_len): ModelRunner, or GraphRunner for an exported graph."""
         from modelfleet.dataplane.engine.model_runner import ModelRunner
         from modelfleet.dataplane.models.config import ModelConfig
         from transformers import AutoTokenizer
@@ -112,7 +113,8 @@ class LLMEngine(PromptChecks):
         self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         # Encoding from several threads at once trips the fast tokenizer's internal borrow checks.
         self._tokenizer_lock = threading.Lock()
-        self.runner = ModelRunner(config, max_model_len)
+        self.runner = (runner_class or ModelRunner)(config, max_model_len)
+        max_model_len = self.runner.max_model_len  # a runner may take fewer tokens (an engine profile)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
         cache_tokens = self.runner.num_blocks * config.block_size

@@ -109,8 +109,8 @@ def torch_cuda_available() -> bool:
 
 def estimate_engine_bytes(spec: VersionSpec) -> int:
     """Weights on disk plus the KV cache: what loading this version adds to memory. An ONNX engine's
-    cache grows with its one running request, at most max_model_len tokens; its weights are the graph
-    and its external data files."""
+    caches grow with its running requests, at most max_num_seqs of max_model_len tokens within the KV
+    budget; its weights are the graph and its external data files."""
     artifact = Path(spec.artifact)
     if not artifact.is_dir():
         return 0
@@ -119,15 +119,16 @@ def estimate_engine_bytes(spec: VersionSpec) -> int:
         fmt = artifact_format(artifact)
     except ValueError:
         return 0  # the load itself will say what is wrong with the artifact
+    kv_bytes = int(kwargs.get("kv_cache_bytes", EngineConfig.kv_cache_bytes))
     if fmt in ("onnx", "tensorrt"):
         # The graphs and their external data (model.onnx.data, or any *.data), or the TensorRT plan.
         patterns = ("*.onnx", "*.onnx.data", "*.data", "*.plan")
         files = {p for pattern in patterns for p in artifact.glob(pattern)}
         weights = sum(p.stat().st_size for p in files if p.is_file())
-        return weights + _onnx_cache_bytes(artifact, kwargs.get("max_model_len"))
+        per_seq = _onnx_cache_bytes(artifact, kwargs.get("max_model_len"))
+        return weights + min(kv_bytes, per_seq * engine_max_num_seqs(None, spec))
     weights = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
-    kv_bytes = kwargs.get("kv_cache_bytes", EngineConfig.kv_cache_bytes)
-    return weights + int(kv_bytes)
+    return weights + kv_bytes
 
 
 def _onnx_cache_bytes(artifact: Path, max_model_len: Any) -> int:

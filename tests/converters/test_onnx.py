@@ -1,4 +1,4 @@
-"""ONNX artifacts (float32 and onnxruntime int8) and the data plane's onnxruntime runner."""
+"""ONNX artifacts (float32 and onnxruntime int8), the data plane's onnxruntime runner and the engine on it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import onnx
 import pytest
 import torch
 from modelfleet.converters.convert import Request, convert
+from modelfleet.dataplane import LLM, SamplingParams
+from modelfleet.dataplane.onnx_engine import graph_engine
 from modelfleet.dataplane.onnx_runner import OnnxRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,11 +95,17 @@ def test_runner_logits_match_transformers_through_the_cache(onnx_fp32, hf_model)
         np.testing.assert_allclose(runner.logits(ids, split=split), reference, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_generation_matches_transformers(onnx_fp32, hf_model, tiny_model_dir):
-    runner = OnnxRunner(onnx_fp32[0])
+@pytest.fixture(scope="module")
+def onnx_llm(onnx_fp32) -> LLM:
+    """The engine's request loop over the runner: what a server runs for an ONNX artifact."""
+    return LLM(graph_engine(onnx_fp32[0], OnnxRunner))
+
+
+def test_greedy_generation_matches_transformers(onnx_llm, hf_model, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = ["The scheduler batches", "A canary release is a cautious experiment with many words in it"]
-    batched = runner.generate(prompts, max_new_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    batched = onnx_llm.generate(prompts, params)
     for prompt, result in zip(prompts, batched, strict=True):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         expected = hf_model.generate(
@@ -106,27 +114,30 @@ def test_greedy_generation_matches_transformers(onnx_fp32, hf_model, tiny_model_
         assert result.token_ids == expected[0, ids.shape[1] :].tolist()
         assert result.finish_reason == "length" and len(result.token_ids) == 8
         assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        # Left padding in a batch changes nothing: the same prompt alone gives the same tokens.
-        assert runner.generate([prompt], max_new_tokens=8, ignore_eos=True)[0].token_ids == result.token_ids
+        # Padding in a batch changes nothing: the same prompt alone gives the same tokens.
+        assert onnx_llm.generate([prompt], params)[0].token_ids == result.token_ids
 
 
-def test_sampling_is_seeded_and_arguments_checked(onnx_fp32):
-    runner = OnnxRunner(onnx_fp32[0])
+def test_sampling_is_seeded_and_arguments_checked(onnx_llm, onnx_fp32):
     prompt = [[0, 44, 318, 97]]
-    first = runner.generate(prompt, max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7)
-    again = runner.generate(prompt, max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7)
-    other = runner.generate(prompt, max_new_tokens=12, temperature=1.0, seed=8)
-    assert first[0].token_ids == again[0].token_ids
-    assert first[0].token_ids != other[0].token_ids
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
-        runner.generate(prompt, max_new_tokens=0)
+
+    def sample(**params) -> list[int]:
+        return onnx_llm.generate(prompt, SamplingParams(max_tokens=12, **params))[0].token_ids
+
+    first = sample(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    again = sample(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    other = sample(temperature=1.0, seed=8)
+    assert first == again
+    assert first != other
+    with pytest.raises(ValueError, match="max_tokens: 0 must be an integer >= 1"):
+        onnx_llm.generate(prompt, SamplingParams(max_tokens=0))
     with pytest.raises(FileNotFoundError, match=r"has no model\.onnx"):
         OnnxRunner(onnx_fp32[0].parent)
 
 
 def test_generation_stops_at_eos(onnx_fp32):
-    runner = OnnxRunner(onnx_fp32[0])
+    llm = LLM(graph_engine(onnx_fp32[0], OnnxRunner))
     # Make every token an end token: generation must stop after the first one.
-    runner.eos_token_ids = set(range(runner.vocab_size))
-    result = runner.generate([[0, 44, 318]], max_new_tokens=5)[0]
+    llm.engine.eos_token_ids = frozenset(range(llm.engine.vocab_size))
+    result = llm.generate([[0, 44, 318]], SamplingParams(max_tokens=5))[0]
     assert result.finish_reason == "stop" and len(result.token_ids) == 1
