@@ -41,6 +41,9 @@ class _Headers:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name][0])
+
     def get(self, name: str) -> torch.Tensor:
         self.used.add(name)
         shape, dtype = self.tensors[name]
