@@ -8,6 +8,11 @@ weight once plus the KV cache, at the measured copy bandwidth. Prints one JSON l
 
     python bench/latency.py --device cuda --preset llama-3.2-1b
     python bench/latency.py --model DIR --input-len 32 --output-len 32      # CPU
+
+--tensor-parallel N also runs the engine split over N ranks after the one-rank run: `engine_tpN` and
+`speedup_tpN` (decode tokens/s over TP=1).
+
+    python bench/latency.py --device cuda --preset llama-3.1-8b --tensor-parallel 2 --skip-hf
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from throughput import (
 )
 
 
-def run_engine(args: argparse.Namespace, prompt: list[int], result: dict) -> dict:
+def run_engine(args: argparse.Namespace, prompt: list[int], result: dict, tensor_parallel: int = 1) -> dict:
     from modelfleet.dataplane import LLM, SamplingParams
 
     llm = LLM(
@@ -45,6 +50,7 @@ def run_engine(args: argparse.Namespace, prompt: list[int], result: dict) -> dic
         max_model_len=len(prompt) + args.output_len,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=tensor_parallel,
     )
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
     llm.generate([prompt], params)  # warm-up (kernel compilation, allocator)
@@ -55,9 +61,11 @@ def run_engine(args: argparse.Namespace, prompt: list[int], result: dict) -> dic
         rates.append((args.output_len - 1) / (out.finished_time - out.first_token_time))
         ttfts.append(out.first_token_time - out.arrival_time)
     runner = llm.engine.runner
-    result["weight_bytes_per_step"] = weight_bytes_per_step(runner.model)
-    result["kv_bytes_per_token"] = kv_bytes_per_token(runner.model, runner.dtype)
-    result["cuda_graphs"] = runner.decode_graphs is not None
+    if tensor_parallel == 1:  # a rank's weights are a share of these
+        result["weight_bytes_per_step"] = weight_bytes_per_step(runner.model)
+        result["kv_bytes_per_token"] = kv_bytes_per_token(runner.model, runner.dtype)
+        result["cuda_graphs"] = runner.decode_graphs is not None
+    llm.engine.close()  # the other ranks' processes
     del llm, runner
     free_memory(args.device)
     return summary(rates, ttfts)
@@ -134,8 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hf-static", action="store_true", help="also run HF with its static (compiled) cache"
     )
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=1, help="also run the engine over N ranks (after TP=1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.tensor_parallel < 1:
+        print("--tensor-parallel: must be at least 1", file=sys.stderr)
+        return 2
     if problem := model_args_problem(args):
         print(problem, file=sys.stderr)
         return 2
@@ -170,6 +184,12 @@ def run(args: argparse.Namespace) -> dict:
         result["device_name"] = torch.cuda.get_device_name()
         result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
     result["engine"] = run_engine(args, prompt, result)
+    if args.tensor_parallel > 1:
+        tp = args.tensor_parallel
+        result[f"engine_tp{tp}"] = run_engine(args, prompt, result, tp)
+        result[f"speedup_tp{tp}"] = round(
+            result[f"engine_tp{tp}"]["decode_tokens_per_s"] / result["engine"]["decode_tokens_per_s"], 2
+        )
     if "copy_bandwidth_gbps" in result:
         # a mean decode step reads every weight and the KV of the mean context
         mean_context = args.input_len + args.output_len / 2

@@ -16,6 +16,12 @@ On a GPU, --preset builds a random-weight bf16 checkpoint of a real model's shap
 (weight bytes + KV bytes read) / measured copy bandwidth, summed, over the measured step times summed.
 Lengths: fixed by default; uniform in [min, len] with --min-*-len, or in [len*(1-r), len*(1+r)] with
 --random-range-ratio r (vLLM's convention).
+
+--tensor-parallel N also runs the engine split over N ranks (GPUs of this node, or CPU processes) after
+the one-rank baseline, on the same prompts: `engine_tpN` and `speedup_tpN` (output tokens/s over TP=1).
+
+    python bench/throughput.py --device cuda --preset llama-3.1-8b --num-prompts 1000 \\
+        --input-len 128 --output-len 128 --tensor-parallel 2 --skip-hf
 """
 
 from __future__ import annotations
@@ -202,8 +208,9 @@ def make_requests(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[
     ]
 
 
-def engine_settings(args: argparse.Namespace) -> dict:
+def engine_settings(args: argparse.Namespace, tensor_parallel: int = 1) -> dict:
     settings = dict(
+        tensor_parallel_size=tensor_parallel,
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
@@ -219,16 +226,21 @@ def engine_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
-def run_engine(args: argparse.Namespace, requests: list[tuple[list[int], int]], result: dict) -> float:
+def run_engine(
+    args: argparse.Namespace, requests: list[tuple[list[int], int]], result: dict, tensor_parallel: int = 1
+) -> float:
+    """Seconds to generate `requests`. The one-rank run records the start time and the roofline in
+    `result`; a tensor-parallel one (weights per rank differ) only its start time."""
     from modelfleet.dataplane import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(args.model, **engine_settings(args))
-    result["engine_start_s"] = round(time.perf_counter() - start, 1)
+    llm = LLM(args.model, **engine_settings(args, tensor_parallel))
+    suffix = "" if tensor_parallel == 1 else f"_tp{tensor_parallel}"
+    result[f"engine_start_s{suffix}"] = round(time.perf_counter() - start, 1)
     prompts = [p for p, _ in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n) for _, n in requests]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # warm-up
-    timer = DecodeStepTimer(llm) if args.device != "cpu" else None
+    timer = DecodeStepTimer(llm) if args.device != "cpu" and tensor_parallel == 1 else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -243,6 +255,7 @@ def run_engine(args: argparse.Namespace, requests: list[tuple[list[int], int]], 
         )
         result["device_name"] = torch.cuda.get_device_name()
         result["cuda_graphs"] = llm.engine.runner.decode_graphs is not None
+    llm.engine.close()  # the other ranks' processes
     del llm, outputs, timer
     gc.collect()  # the engine's memory (weights, KV cache, graphs) goes back before the baseline loads
     if args.device == "cuda":
@@ -346,8 +359,14 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-batch-size", type=int, default=None, help="default: 16 on the CPU, 256 on a GPU"
     )
     parser.add_argument("--skip-hf", action="store_true", help="time our engine only")
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=1, help="also run the engine over N ranks (after TP=1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.tensor_parallel < 1:
+        print("--tensor-parallel: must be at least 1", file=sys.stderr)
+        return 2
     gpu = args.device != "cpu"
     args.max_num_seqs = args.max_num_seqs or (256 if gpu else 64)
     args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if gpu else 2048)
@@ -395,6 +414,12 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":  # measured before the KV cache takes the free memory
         result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
     result["engine"] = rates(run_engine(args, requests, result), requests)
+    if args.tensor_parallel > 1:
+        tp = args.tensor_parallel
+        result[f"engine_tp{tp}"] = rates(run_engine(args, requests, result, tp), requests)
+        result[f"speedup_tp{tp}"] = round(
+            result[f"engine_tp{tp}"]["output_tokens_per_s"] / result["engine"]["output_tokens_per_s"], 2
+        )
     # The baseline runs with the thread count the engine chose (or was given).
     result["threads"] = torch.get_num_threads()
     if not args.skip_hf:

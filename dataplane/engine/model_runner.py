@@ -95,6 +95,7 @@ class ModelRunner:
 
             self.workers = WorkerGroup(config, max_model_len, self.device)
             self.tp = self.workers.group
+            self.device = self.tp.device  # with its index: rank r runs on GPU (rank 0's + r)
         try:
             self._build(config, max_model_len, link or self.workers)
         except BaseException:

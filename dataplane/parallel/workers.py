@@ -61,6 +61,8 @@ class WorkerGroup:
     def __init__(self, config: Any, max_model_len: int | None, device: torch.device) -> None:
         size = config.tensor_parallel_size
         devices = rank_devices(device, size)
+        if devices[0].type == "cuda":
+            torch.cuda.set_device(devices[0])  # NCCL and the model's tensors on rank 0's own GPU
         set_collective_env()
         if multiprocessing.current_process().daemon:
             # An engine process is a daemon of the server's, which multiprocessing bars from having
@@ -104,7 +106,7 @@ class WorkerGroup:
         try:
             for rank in range(1, size):
                 self._expect(rank, "hello")
-            self.group = TensorParallelGroup(self._store, 0, size, device)
+            self.group = TensorParallelGroup(self._store, 0, size, devices[0])
             self.group.warm_up()
         except BaseException:
             self.close()
