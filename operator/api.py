@@ -97,7 +97,16 @@ class Hardware(_Model):
     """Where the data-plane pods run: an accelerator class of the hardware table and devices per replica."""
 
     accelerator: Accelerator = Field(description="Hardware class, one of the fleet's hardware table.")
-    count: int = Field(default=1, ge=1, le=16, description="Devices per replica (ignored for cpu).")
+    count: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description=(
+            "Devices per replica (ignored for cpu). More than one splits each version's model over them "
+            "(tensor parallelism: the engine's tensor_parallel_size); it must divide the model's "
+            "attention heads."
+        ),
+    )
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(
         default_factory=dict, max_length=32, description="Extra node labels, added to the class's label."
     )
