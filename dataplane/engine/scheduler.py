@@ -32,8 +32,6 @@ class ScheduledSequence:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -61,10 +59,6 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -77,7 +71,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._make_room_for_priority(out)
+        self._make_room_for_priority()
 
         # Running sequences: decodes and the remaining chunks of their prompts.
         preempted_for_running = False
@@ -91,7 +85,6 @@ class Scheduler:
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
                 preempted_for_running = True
                 if victim is seq:
                     break
@@ -128,7 +121,6 @@ class Scheduler:
             self._plan(out, seq, num_hit_tokens, num_new)
             budget -= num_new
 
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
     def _plan(self, out: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int) -> None:
@@ -180,7 +172,7 @@ class Scheduler:
         seq.finished_time = time.monotonic()
         return seq
 
-    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+    def _make_room_for_priority(self) -> None:
         """Before anything is planned: if the first waiting request cannot get blocks for its first
         chunk, preempt running requests of strictly lower priority (higher value), the newest first."""
         if not self.waiting or not self.running:
@@ -193,9 +185,7 @@ class Scheduler:
             and self.running
             and self.running[-1].priority > head.priority
         ):
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted_request_ids.append(victim.request_id)
+            self._preempt(self.running.pop())
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

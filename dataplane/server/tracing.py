@@ -4,9 +4,7 @@ the GenAI semantic-convention attribute names used on the request spans."""
 from __future__ import annotations
 
 import os
-import time
 
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
@@ -31,7 +29,6 @@ CHOICE_COUNT = "gen_ai.request.choice.count"
 INPUT_TOKENS = "gen_ai.usage.input_tokens"
 OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
-TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 VERSION = "modelfleet.version"
 ROUTE_REASON = "modelfleet.route.reason"
 
@@ -64,15 +61,3 @@ def provider_from_env(service_name: str = "modelfleet-server") -> TracerProvider
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
-
-
-def tracer_from_provider(provider: trace.TracerProvider) -> Tracer:
-    return provider.get_tracer(TRACER_NAME)
-
-
-_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
-
-
-def monotonic_to_ns(t: float) -> int:
-    """A time.monotonic() reading (the engine's timestamps) as epoch nanoseconds for span times."""
-    return int(t * 1e9) + _EPOCH_OFFSET_NS
