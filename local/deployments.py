@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -41,13 +42,20 @@ def _pre_stop(container: pods.Container) -> None:
     if not hook:
         return
     try:
-        subprocess.run(
+        process = subprocess.Popen(
             processes.argv({"command": hook}, container.mounts.path),
-            cwd=container.folder, timeout=container.extra.get("grace", 30),
+            cwd=container.folder, start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except OSError as exc:
         log.warning("pod %s: preStop hook failed: %s", container.pod, exc)
+        return
+    container.extra["pre_stop"] = process  # `stop_all` cuts it short: the whole fleet is going
+    try:
+        process.wait(timeout=container.extra.get("grace", 30))
+    except subprocess.TimeoutExpired:
+        log.warning("pod %s: preStop hook outlived the grace period", container.pod)
+    processes.stop(process, grace=1)
 
 
 def template_hash(template: dict[str, Any]) -> str:
@@ -78,6 +86,7 @@ class DeploymentController:
     def __init__(self, kube: LocalKube, work_dir: Path, pvc_root: Path) -> None:
         self.kube, self.work_dir, self.pvc_root = kube, work_dir, pvc_root
         self.replicas: dict[str, Replica] = {}
+        self.terminating: dict[str, tuple[Replica, threading.Thread]] = {}  # removed, still stopping
         self.http = httpx.Client(timeout=PROBE_TIMEOUT, trust_env=False)
         self.probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="probe")
 
@@ -89,6 +98,9 @@ class DeploymentController:
                 self._remove(replica, delete=False)
         for deploy in deploys.values():
             self._sync_deployment(deploy)
+        for name, (_, thread) in list(self.terminating.items()):
+            if not thread.is_alive():
+                del self.terminating[name]
 
     def _sync_deployment(self, deploy: dict[str, Any]) -> None:
         uid = deploy["metadata"]["uid"]
@@ -239,16 +251,25 @@ class DeploymentController:
         container = replica.container
         if container.process is not None:
             folder = container.folder  # its emptyDirs and projected files go with the pod
-            processes.stop(
+            thread = processes.stop(
                 container.process,
                 grace=container.extra.get("grace", 30),
                 wait=False,
                 before=lambda: _pre_stop(container),
                 after=lambda: _rmtree(folder),
             )
+            assert thread is not None
+            self.terminating[replica.name] = (replica, thread)
         log.info("pod %s: stopping", replica.name)
 
     def stop_all(self) -> None:
+        """Stop every server, those already stopping too; returns once all are gone."""
+        stopping = [thread for _, thread in self.terminating.values()]
+        for replica, _ in self.terminating.values():
+            hook = replica.container.extra.get("pre_stop")
+            if hook is not None:
+                processes.stop(hook, grace=1)
+            processes.terminate_group(replica.container.process.pid)  # now, not after the hook
         threads = [
             processes.stop(
                 r.container.process,
@@ -259,9 +280,10 @@ class DeploymentController:
             for r in self.replicas.values()
             if r.container.process is not None
         ]  # the pods' logs stay in the work dir
-        for thread in threads:
+        for thread in [*threads, *stopping]:
             if thread is not None:
                 thread.join()
         self.replicas.clear()
+        self.terminating.clear()
         self.probes.shutdown(wait=False, cancel_futures=True)
         self.http.close()

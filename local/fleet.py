@@ -25,14 +25,12 @@ from modelfleet.local.store import LocalKube
 from modelfleet.operator import sync
 from modelfleet.operator.api import API_VERSION, GROUP
 from modelfleet.operator.kube import KubeError
-from modelfleet.operator.reconcile.conditions import now_rfc3339
 from modelfleet.operator.settings import OperatorSettings
 from modelfleet.operator.validation import InvalidResource
 
 log = logging.getLogger(__name__)
 TICK_SECONDS = 0.2  # process exits and readiness are looked at this often
 RESYNC_SECONDS = 5.0  # every model is reconciled at least this often (60 s in a cluster)
-MAX_EVENTS = 500
 
 
 class FleetError(RuntimeError):
@@ -56,7 +54,6 @@ class Fleet:
         self.ctx = sync.Context(kube=self.kube, settings=self.settings, logger=log, record=self._record)
         self.jobs = JobController(self.kube, self.work_dir, self.pvc_root)
         self.deployments = DeploymentController(self.kube, self.work_dir, self.pvc_root)
-        self.events: list[dict[str, Any]] = []
         self.proxies: dict[tuple[str, str], ServiceProxy] = {}
         self._loop = asyncio.new_event_loop()
         self._threads: list[threading.Thread] = []
@@ -250,9 +247,20 @@ class Fleet:
         return found
 
     def _record(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-        event = {"time": now_rfc3339(), "kind": obj.get("kind"), "name": obj["metadata"]["name"],
-                 "type": type_, "reason": reason, "message": message}  # fmt: skip
-        self.events = [*self.events[-(MAX_EVENTS - 1) :], event]
+        self.kube.post_event(obj, type_, reason, message[:1024])
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The Events the operator posted, oldest first, in short: time, kind, name, type, reason, message."""
+        return [
+            {
+                "time": e["lastTimestamp"],
+                "kind": e["involvedObject"]["kind"],
+                "name": e["involvedObject"]["name"],
+                **{k: e[k] for k in ("type", "reason", "message")},
+            }
+            for e in self.kube.events()
+        ]
 
     def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -263,9 +271,13 @@ class Fleet:
             return {"ok": False, "message": str(exc)}
 
     def _snapshot(self) -> dict[str, Any]:
+        replicas = [
+            *self.deployments.replicas.values(),
+            *(r for r, _ in self.deployments.terminating.values()),
+        ]
         pods = {
-            name: {"pid": r.container.process.pid if r.container.process else None, "port": r.port}
-            for name, r in self.deployments.replicas.items()
+            r.name: {"pid": r.container.process.pid if r.container.process else None, "port": r.port}
+            for r in replicas
         }
         pods.update(
             {

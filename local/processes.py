@@ -49,6 +49,11 @@ def stop_group(pid: int, grace: float = 10.0, exited: Any = None) -> None:
     _signal_group(pid, signal.SIGKILL)
 
 
+def terminate_group(pgid: int) -> None:
+    """SIGTERM to a process group, without waiting."""
+    _signal_group(pgid, signal.SIGTERM)
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)

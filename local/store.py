@@ -19,6 +19,7 @@ from modelfleet.operator.reconcile.conditions import now_rfc3339
 
 Key = tuple[str, str, str, str]  # (apiVersion, kind, namespace, name)
 # Fields the API server owns: an applied object never sets them.
+MAX_EVENTS = 500
 SERVER_METADATA = ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp")
 
 
@@ -50,6 +51,7 @@ class LocalKube:
 
     def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self._objects: dict[Key, dict[str, Any]] = {}
+        self._events: list[dict[str, Any]] = []
         self._lock = threading.RLock()
         self._version = 0
         self.changed = threading.Condition(self._lock)
@@ -137,7 +139,41 @@ class LocalKube:
                 return copy.deepcopy(old)
             return self._store(key, {**old, "status": merged})
 
+    def list_events(
+        self, namespace: str, kind: str, name: str, uid: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The core/v1 Events about one object."""
+        with self._lock:
+            return [
+                copy.deepcopy(e)
+                for e in self._events
+                if e["metadata"]["namespace"] == namespace
+                and e["involvedObject"]["kind"] == kind
+                and e["involvedObject"]["name"] == name
+                and (uid is None or e["involvedObject"].get("uid") == uid)
+            ]
+
     # --- what the local controllers and the CLI use ----------------------------------------------------
+
+    def post_event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about `obj`, as kopf and the controllers post them (the latest MAX_EVENTS)."""
+        meta = obj["metadata"]
+        now = now_rfc3339()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+                               "name": meta["name"], "uid": meta.get("uid")},
+            "type": type_, "reason": reason, "message": message,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }  # fmt: skip
+        with self._lock:
+            self._events = [*self._events[-(MAX_EVENTS - 1) :], event]
+
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(self._events)
 
     def put_status(self, obj: dict[str, Any], status: dict[str, Any]) -> None:
         """Replace an object's whole status (a controller's write); no-op when gone or unchanged."""

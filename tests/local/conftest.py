@@ -38,6 +38,9 @@ def fleet(pvc_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             manifests = [r.container.folder / "volumes" / "manifest" / "manifest.yaml" for r in replicas]
             if not manifests or not all(m.is_file() and "cpu-onnx-int8" in m.read_text() for m in manifests):
                 return False  # the pods' files have not caught up with the int8 artifact yet
+            for mv in running.kube.list(API_VERSION, "ModelVersion", "default"):
+                if (mv.get("status") or {}).get("phase") == "Failed":  # say why at once, not at the timeout
+                    raise AssertionError(f"{mv['metadata']['name']}: {condition(mv, 'Ready')['message']}")
             im = model(running)
             return (
                 condition(im, "Ready")["status"] == "True"

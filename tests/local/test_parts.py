@@ -265,3 +265,33 @@ def test_container_env_expands_references_and_resolves_the_pods_name(tmp_path: P
     env = container_env(container, pod, Mounts({"/tmp": tmp_path}))
     assert env["ATTRS"] == "pod=chat-abc,later=$(LATER)"  # only variables defined before expand
     assert env["HOME"] == str(tmp_path) and "MODELFLEET_PORT" not in env
+
+
+def test_the_local_example_is_admitted_and_converts_for_cpu():
+    from modelfleet.converters.formats import default_targets
+    from modelfleet.local.admission import admit
+    from modelfleet.local.cli import load_documents
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "local-model.yaml"
+    im, v1, v2 = (admit(doc) for doc in load_documents(path))
+    assert im["spec"]["hardware"]["accelerator"] == "cpu"
+    assert im["spec"]["replicas"] == {"min": 1, "max": 1}  # the CRD's defaults, as the API server fills them
+    assert [(t.format, t.dtype) for t in default_targets("cpu", v1["spec"].get("quantization"))] == [
+        ("torch", "bf16")
+    ]
+    assert [(t.format, t.dtype) for t in default_targets("cpu", v2["spec"]["quantization"])] == [
+        ("torch", "bf16"),
+        ("onnx", "int8"),
+    ]
+
+
+def test_events_are_listed_per_object_as_the_api_lists_them():
+    kube = LocalKube()
+    job = kube.apply(
+        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "default"}}
+    )
+    kube.post_event(job, "Warning", "FailedCreate", "pods refused")
+    kube.post_event({**job, "metadata": {**job["metadata"], "name": "other"}}, "Normal", "X", "y")
+    (event,) = kube.list_events("default", "Job", "j", job["metadata"]["uid"])
+    assert (event["reason"], event["involvedObject"]["uid"]) == ("FailedCreate", job["metadata"]["uid"])
+    assert kube.list_events("default", "Job", "j", "another-uid") == []
