@@ -103,15 +103,15 @@ def _run(
     model: str,
     work: Callable[[], Any],
     received: float | None = None,
-    event_body: Any = None,
+    news: Callable[[], bool] | None = None,
 ) -> None:
     """Run `work` in the model's turn, unless a reconcile begun after `received` already covered it,
-    or (checked again in the turn) `event_body` is a version a reconcile has seen meanwhile: the event of
-    a write of the reconcile this one waited for. `received` None: the trigger is not a plain reconcile
-    (a rollout step) and always runs."""
+    or `news` (the event filter, asked again in the turn) says a reconcile has seen this version
+    meanwhile: the event of a write of the reconcile this one waited for. `received` None: the trigger
+    is not a plain reconcile (a rollout step) and always runs."""
     namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
     with TRIGGERS.turn(namespace, model, received) as needed:
-        if not needed or (event_body is not None and not TRIGGERS.is_news(event_body, None)):
+        if not needed or (news is not None and not news()):
             SKIPPED.labels(kind, "covered" if not needed else "seen").inc()
             return
         with observed_reconcile(kind, namespace, name, trigger), ctx.kube.journal(TRIGGERS.remember):
@@ -138,13 +138,13 @@ def _retrying(
     model: str,
     work: Callable[[], Any],
     received: float,
-    event_body: Any = None,
+    news: Callable[[], bool] | None = None,
     attempt: int = 0,
 ) -> None:
     """`_run` for watch events, which kopf never retries: a failure is retried here by a timer, with
     backoff, so a child's change is not left to the next resync. `work` must read what it needs fresh."""
     try:
-        _run(ctx, kind, trigger, obj, model, work, received, event_body)
+        _run(ctx, kind, trigger, obj, model, work, received, news)
     except kopf.TemporaryError:
         if attempt < RETRY_ATTEMPTS:
             delay = min(RETRY_SECONDS * 2**attempt, RESYNC_SECONDS)
@@ -194,6 +194,14 @@ def _is_news(body: Any, type: str | None = None, **_: Any) -> bool:
     news = TRIGGERS.is_news(body, type)
     if not news:
         SKIPPED.labels(body.get("kind") or "object", "seen").inc()
+    return news
+
+
+def _is_version_news(body: Any, type: str | None = None, **_: Any) -> bool:
+    """`_is_news` for ModelVersions, whose spec and deletion are all that a reconcile reads of them."""
+    news = TRIGGERS.is_news(body, type, spec_only=True)
+    if not news:
+        SKIPPED.labels("ModelVersion", "seen").inc()
     return news
 
 
@@ -311,7 +319,8 @@ def serving_child_event(body: kopf.Body, memo: Any, logger: Any, **indices: Any)
         ctx = _context(memo, logger, indices)
         trigger, ref = str(body.get("kind") or "child").lower(), _ref(meta["namespace"], model)
         work = _model_work(ctx, meta["namespace"], model)
-        _retrying(ctx, "InferenceModel", trigger, ref, model, work, received, body)
+        news = lambda: TRIGGERS.is_news(body, None)  # noqa: E731
+        _retrying(ctx, "InferenceModel", trigger, ref, model, work, received, news)
 
 
 # --- ModelVersion ----------------------------------------------------------------------------------------
@@ -324,7 +333,7 @@ def versions_by_model(namespace: str, name: str, spec: Any, **_: Any) -> dict[tu
     return {(namespace, str((spec or {}).get("model", ""))): name}
 
 
-@kopf.on.event(*MODEL_VERSIONS, when=_is_news)
+@kopf.on.event(*MODEL_VERSIONS, when=_is_version_news)
 def version_event(
     body: kopf.Body,
     memo: Any,
@@ -343,7 +352,8 @@ def version_event(
             _retrying(ctx, "InferenceModel", "version-deleted", _ref(namespace, model), model, work, received)
         return
     work = _version_work(ctx, namespace, name)
-    _retrying(ctx, "ModelVersion", "event", _ref(namespace, name), model, work, received, body)
+    news = lambda: TRIGGERS.is_news(body, None, spec_only=True)  # noqa: E731
+    _retrying(ctx, "ModelVersion", "event", _ref(namespace, name), model, work, received, news)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={**MANAGED, names.LABEL_COMPONENT: "conversion"}, when=_is_news)
@@ -355,7 +365,8 @@ def job_event(body: kopf.Body, memo: Any, logger: Any, **indices: Any) -> None:
     if mv_name:
         ctx = _context(memo, logger, indices)
         work = _version_work(ctx, namespace, mv_name)
-        _retrying(ctx, "ModelVersion", "job", _ref(namespace, mv_name), model, work, received, body)
+        news = lambda: TRIGGERS.is_news(body, None)  # noqa: E731
+        _retrying(ctx, "ModelVersion", "job", _ref(namespace, mv_name), model, work, received, news)
 
 
 @kopf.on.delete(*MODEL_VERSIONS)

@@ -58,9 +58,9 @@ class Kube:
         self._journal = threading.local()
 
     @contextmanager
-    def journal(self, note: Callable[[str, str], None]) -> Iterator[None]:
-        """Call `note(uid, resourceVersion)` for every object this thread reads or writes meanwhile: the
-        versions a reconcile has seen, so that their watch events can be told apart from news."""
+    def journal(self, note: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+        """Call `note(metadata)` for every object this thread reads or writes meanwhile: the versions a
+        reconcile has seen, so that their watch events can be told apart from news."""
         outer = getattr(self._journal, "note", None)
         self._journal.note = note
         try:
@@ -70,9 +70,8 @@ class Kube:
 
     def _note(self, obj: dict[str, Any]) -> dict[str, Any]:
         note = getattr(self._journal, "note", None)
-        meta = obj.get("metadata") or {}
-        if note is not None and meta.get("uid") and meta.get("resourceVersion"):
-            note(meta["uid"], meta["resourceVersion"])
+        if note is not None and obj.get("metadata"):
+            note(obj["metadata"])
         return obj
 
     def _call(

@@ -23,26 +23,37 @@ MAX_REMEMBERED = 200_000  # objects; past that, forget all (the cost: one reconc
 class Triggers:
     def __init__(self) -> None:
         self._guard = threading.Lock()
-        self._versions: dict[str, str] = {}  # uid -> resourceVersion a reconcile has seen
+        # uid -> (resourceVersion, generation, being deleted) of what a reconcile has seen
+        self._versions: dict[str, tuple[str, Any, bool]] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._done: dict[tuple[str, str], float] = {}  # model -> start of its last successful reconcile
 
-    def is_news(self, body: Mapping[str, Any], type_: str | None) -> bool:
-        """Whether a watch event can tell a reconcile anything it has not seen."""
+    def is_news(self, body: Mapping[str, Any], type_: str | None, spec_only: bool = False) -> bool:
+        """Whether a watch event can tell a reconcile anything it has not seen. `spec_only`: only the
+        spec and the deletion matter (a ModelVersion: its status is ours, and kopf's finalizer or an
+        annotation changes nothing), so a new version of the same generation is no news either."""
         meta = body.get("metadata") or {}
         uid, version = meta.get("uid"), meta.get("resourceVersion")
         if type_ == "DELETED":
             with self._guard:
                 self._versions.pop(uid, None)
             return True
-        return not (uid and version and self._versions.get(uid) == version)
+        known = self._versions.get(uid) if uid and version else None
+        if known is None:
+            return True
+        if spec_only:
+            return (known[1], known[2]) != (meta.get("generation"), bool(meta.get("deletionTimestamp")))
+        return known[0] != version
 
-    def remember(self, uid: str, version: str) -> None:
-        """A version a reconcile read or wrote: its events are no news."""
+    def remember(self, meta: Mapping[str, Any]) -> None:
+        """The metadata of an object a reconcile read or wrote: events of that version are no news."""
+        if not (meta.get("uid") and meta.get("resourceVersion")):
+            return
+        seen = (meta["resourceVersion"], meta.get("generation"), bool(meta.get("deletionTimestamp")))
         with self._guard:
             if len(self._versions) > MAX_REMEMBERED:
                 self._versions.clear()
-            self._versions[uid] = version
+            self._versions[meta["uid"]] = seen
 
     @contextmanager
     def turn(self, namespace: str, model: str, received: float | None) -> Iterator[bool]:

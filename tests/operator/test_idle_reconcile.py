@@ -66,19 +66,29 @@ def test_the_digest_changes_when_a_field_is_no_longer_set():
     assert before["metadata"]["annotations"][APPLIED] != after["metadata"]["annotations"][APPLIED]
 
 
-def body(uid: str, version: str) -> dict:
-    return {"metadata": {"uid": uid, "resourceVersion": version}}
+def body(uid: str, version: str, generation: int = 1, deleting: bool = False) -> dict:
+    meta = {"uid": uid, "resourceVersion": version, "generation": generation}
+    return {"metadata": {**meta, "deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else meta}
 
 
 def test_an_event_of_a_version_a_reconcile_saw_is_no_news():
     triggers = Triggers()
     assert triggers.is_news(body("u1", "5"), "ADDED")
-    triggers.remember("u1", "5")
+    triggers.remember(body("u1", "5")["metadata"])
     assert not triggers.is_news(body("u1", "5"), None)  # listed again, unchanged
     assert not triggers.is_news(body("u1", "5"), "MODIFIED")  # the operator's own write
     assert triggers.is_news(body("u1", "6"), "MODIFIED")  # someone else's
     assert triggers.is_news(body("u1", "5"), "DELETED")
     assert triggers.is_news(body("u1", "5"), None)  # forgotten with its deletion
+
+
+def test_for_a_version_only_its_spec_and_its_deletion_are_news():
+    triggers = Triggers()
+    triggers.remember(body("mv", "5")["metadata"])
+    assert not triggers.is_news(body("mv", "6"), "MODIFIED", spec_only=True)  # kopf's finalizer
+    assert triggers.is_news(body("mv", "7", generation=2), "MODIFIED", spec_only=True)
+    assert triggers.is_news(body("mv", "8", deleting=True), "MODIFIED", spec_only=True)
+    assert triggers.is_news(body("mv", "6"), "MODIFIED")  # for other kinds any new version is news
 
 
 def test_a_trigger_is_covered_only_by_a_reconcile_that_began_after_it_and_succeeded():
