@@ -272,3 +272,19 @@ def test_first_token_time_is_the_first_tokens():
     step(sched)
     step(sched)
     assert a.first_token_time == first and len(a.output_token_ids) == 3
+
+
+def test_a_step_whose_budget_is_spent_plans_nothing_more():
+    sched = make_scheduler(budget=4)
+    add(sched, "b", 2)
+    step(sched)
+    add(sched, "a", 10, priority=-1, first=100)
+    assert plan(step(sched)) == [("b", 2, 1), ("a", 0, 3)]
+    # a (higher priority) now runs first and takes the whole budget: b gets no empty slot in the step.
+    assert plan(step(sched)) == [("a", 3, 4)]
+
+
+def test_without_chunked_prefill_a_prompt_exactly_the_budget_is_admitted():
+    sched = make_scheduler(budget=8, chunked=False)
+    add(sched, "a", 8)
+    assert plan(step(sched)) == [("a", 0, 8)]
