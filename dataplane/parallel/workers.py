@@ -100,9 +100,11 @@ class WorkerGroup:
             self.conns.append(conn)
             self.processes.append(process)
             lifelines.append(lifeline)
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, lifelines)
-        # Closing the writer wakes the monitor at close().
-        self._monitor_wake, self._stop_monitor = multiprocessing.Pipe(duplex=False)
+        # Closing the writer (at close, or when the group is collected) wakes the monitor to end.
+        monitor_wake, stop_monitor = multiprocessing.Pipe(duplex=False)
+        self._finalizer = weakref.finalize(
+            self, _stop, self.processes, self.conns, [*lifelines, stop_monitor]
+        )
         try:
             for rank in range(1, size):
                 self._expect(rank, "hello")
@@ -111,7 +113,11 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
-        self._monitor = threading.Thread(target=self._watch, name="modelfleet-tp-monitor", daemon=True)
+        # The monitor holds the group weakly: a group nobody closed is still collected (and stopped).
+        sentinels = [process.sentinel for process in self.processes]
+        self._monitor = threading.Thread(
+            target=_watch, args=(weakref.ref(self), sentinels, monitor_wake), name="tp-monitor", daemon=True
+        )
         self._monitor.start()
 
     @property
@@ -181,18 +187,18 @@ class WorkerGroup:
         if self.on_failure is not None:
             self.on_failure(reason)
 
-    def _watch(self) -> None:
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
-        ready = wait([*sentinels, self._monitor_wake])
-        if self._closing or self._monitor_wake in ready:
-            return
-        self._fail_dead(next(sentinels[s] for s in ready if s in sentinels))
-
     def close(self) -> None:
         """Asks the workers to stop, then kills those that do not within a few seconds."""
         self._closing = True
-        self._stop_monitor.close()
         self._finalizer()
+
+
+def _watch(group_ref: weakref.ref, sentinels: list[int], wake: Connection) -> None:
+    ready = wait([*sentinels, wake])
+    group = group_ref()
+    if group is None or group._closing or wake in ready:
+        return
+    group._fail_dead(next(sentinels.index(s) + 1 for s in ready if s in sentinels))
 
 
 def _stop(

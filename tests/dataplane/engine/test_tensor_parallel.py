@@ -268,3 +268,15 @@ async def test_the_server_replaces_an_engine_whose_rank_died(checkpoints):
     finally:
         await manager.close()
     assert wait_gone(new_workers) == []
+
+
+def test_an_engine_nobody_closed_stops_its_workers_when_collected(checkpoints):
+    import gc
+
+    model_dir = checkpoints["qwen2-qkv-bias-tied"]
+    engine = LLMEngine.from_kwargs(model_dir, **engine_settings(model_dir, 2))
+    pids = [p.pid for p in engine.runner.workers.processes]
+    assert all(psutil.pid_exists(pid) for pid in pids)
+    del engine
+    gc.collect()
+    assert wait_gone(pids) == []
