@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -190,7 +191,18 @@ async def _serve_socket(dataplane: DataPlane, socket: WebSocket) -> None:
             await _socket_request(dataplane, socket, message["text"], caller)
 
 
+async def _send_within(dataplane: DataPlane, socket: WebSocket, data: dict) -> None:
+    """A client that reads nothing would block this send for good, holding its request's places."""
+    try:
+        await asyncio.wait_for(socket.send_json(data), dataplane.settings.send_timeout_seconds)
+    except TimeoutError:
+        dataplane.metrics.client_timeouts.labels("send").inc()
+        raise WebSocketDisconnect(code=1008, reason="the client stopped reading") from None
+
+
 async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str, caller: Principal) -> None:
+    send = functools.partial(_send_within, dataplane, socket)
+    generation: Generation | None = None
     with dataplane.tracer.start_as_current_span("WS /v1/stream", kind=SpanKind.SERVER):
         try:
             try:
@@ -210,14 +222,14 @@ async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str,
                 text, param = validation_message(exc.errors())
                 raise BadRequest(text, param=param) from None
             start = {"type": "start", "id": generation.request_id, "version": generation.version}
-            await socket.send_json(start)
+            await send(start)
             chunks = generation.chunks()
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    await socket.send_json({"type": "chunk", **chunk.model_dump(mode="json")})
-            await socket.send_json({"type": "done", "usage": generation.renderer.usage().model_dump()})
+                    await send({"type": "chunk", **chunk.model_dump(mode="json")})
+            await send({"type": "done", "usage": generation.renderer.usage().model_dump()})
         except ServerError as exc:
-            await socket.send_json({"type": "error", **exc.body()})
+            await send({"type": "error", **exc.body()})
         except WebSocketDisconnect:
             raise
         except Exception as exc:  # one failed request never takes the socket (and its other requests) down
@@ -225,7 +237,10 @@ async def _socket_request(dataplane: DataPlane, socket: WebSocket, message: str,
             body = error_body(
                 f"internal error: {type(exc).__name__}", type_="server_error", code="internal_error"
             )
-            await socket.send_json({"type": "error", **body})
+            await send({"type": "error", **body})
+        finally:
+            if generation is not None:  # gone before its chunks were read: release what it holds
+                await generation.aclose()
 
 
 class HttpSpanMiddleware:
