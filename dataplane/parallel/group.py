@@ -20,8 +20,13 @@ TIMEOUT = datetime.timedelta(minutes=10)
 HOST = "127.0.0.1"  # the ranks of one engine are processes of one node
 
 # NVLink multicast (NVLS) and torch's multicast symmetric memory stay off: not every node's fabric
-# manager provides them, and an all-reduce that needs them fails only at run time.
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# manager provides them, and an all-reduce that needs them fails only at run time. Collectives keep
+# their tensors alive without recordStream, which would tie graph-pool memory to NCCL's stream.
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+}
 
 
 def set_collective_env() -> None:
