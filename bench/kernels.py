@@ -80,7 +80,7 @@ def metadata(batch):
 
 
 def bench_attention(shape, num_seqs, length, decode: bool, dtype, device, copy_gbps) -> dict:
-    from modelfleet.dataplane.attention import get_backend
+    from modelfleet.dataplane.attention.torch_paged import TorchPagedAttention
     from modelfleet.dataplane.attention.triton_paged import TritonPagedAttention
 
     seq_lens = [length] * num_seqs
@@ -90,7 +90,7 @@ def bench_attention(shape, num_seqs, length, decode: bool, dtype, device, copy_g
     batches = [one, *make_batches(seq_lens, query_lens, shape, dtype, device, count - 1)]
     scale = shape[3] ** -0.5
     metas = [(b, metadata(b)) for b in batches]
-    ours, torch_ref = TritonPagedAttention(), get_backend("torch")
+    ours, torch_ref = TritonPagedAttention(), TorchPagedAttention()
 
     def run(backend):
         return lambda item: backend.forward(item[0].q, item[0].kv_cache, item[1], scale)
@@ -246,12 +246,13 @@ LLAMA_1B = {
 def bench_decode_step(dtype, device, copy_gbps, batch_sizes=(1, 16, 64), context=256) -> list[dict]:
     """One decode step (forward + logits) of a random-weight Llama-3.2-1B-shaped model, eager against
     replayed CUDA graphs, with the roofline: weight and KV bytes per step over the copy bandwidth."""
-    import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton" and the ops)
     from modelfleet.dataplane.attention import AttentionMetadata, get_backend
     from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
     from modelfleet.dataplane.models import ModelConfig
     from modelfleet.dataplane.models.llama import LlamaForCausalLM
+    from modelfleet.dataplane.registration import register_builtins
 
+    register_builtins()  # the "triton" backend and the Triton ops, as an engine's start
     config = ModelConfig.from_hf_dict(LLAMA_1B)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -15,7 +15,7 @@ import torch
 from modelfleet.converters import validate
 from modelfleet.converters.checkpoint import Checkpoint
 from modelfleet.converters.errors import BadInputError
-from modelfleet.dataplane.attention import get_backend
+from modelfleet.dataplane.attention.torch_paged import TorchPagedAttention
 from modelfleet.dataplane.models import CausalLM, ModelConfig
 from modelfleet.dataplane.models.loader import CheckpointError, iter_state_dict
 from safetensors import SafetensorError, safe_open
@@ -64,7 +64,7 @@ def check_tensors(ckpt: Checkpoint) -> None:
             raise BadInputError(f"source {shard} is not a valid safetensors file ({exc})") from None
     config = ckpt.model_config
     with torch.device("meta"):
-        model = CausalLM(config, get_backend("torch"))
+        model = CausalLM(config, TorchPagedAttention())
     headers = _Headers(tensors)
     try:
         for _ in iter_state_dict(model, headers, torch.device("meta"), torch.float32):  # type: ignore[arg-type]

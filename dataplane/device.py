@@ -106,8 +106,6 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 def attention_backend_name(device: torch.device | str) -> str:
     """The attention backend for a device: the Triton kernels on CUDA/ROCm where Triton runs, else torch."""
     if platform_of(device) in ("cuda", "rocm") and triton_usable():
-        import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
-
         return "triton"
     return "torch"
 

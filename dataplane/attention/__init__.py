@@ -1,6 +1,7 @@
-"""Attention backends behind one interface; `get_backend(name)` returns one ("torch" always exists)."""
+"""Attention backends behind one interface; `get_backend(name)` returns one. The built-in ones ("torch",
+and "triton" where Triton is installed) are registered by modelfleet.dataplane.registration's
+`register_builtins`, which loading a model calls; importing this package registers nothing."""
 
-from modelfleet.dataplane.attention import torch_paged as _torch_paged  # noqa: F401  (registers "torch")
 from modelfleet.dataplane.attention.backend import (
     AttentionBackend,
     available_backends,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from modelfleet.dataplane.attention.backend import AttentionBackend, register_backend
+from modelfleet.dataplane.attention.backend import AttentionBackend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 
 _CACHE_KEY = "torch_paged"
@@ -149,8 +149,9 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
     return groups
 
 
-@register_backend("torch")
 class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:

@@ -3,25 +3,20 @@
 Decode-only steps (every sequence computes one token) take the split-KV decode kernel; any step with a
 longer query (prefill, chunked prefill, prefix-cached prompts, mixed batches) takes the extend kernel.
 Neither reads data on the host, so a decode step can be captured in a CUDA graph. Importing this module
-needs neither Triton nor a GPU: the kernels load on first use, and the backend is registered (as
-"triton") only where Triton is installed. Where Triton can run, importing it also makes the Triton
-RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those model ops; a model's
-rotary embedding and KV-cache write then run as one kernel (rope_and_write_kv).
+needs neither Triton nor a GPU (the kernels load on first use) and registers nothing: `register_builtins`
+(modelfleet.dataplane.registration) registers it as "triton" where Triton is installed, and where Triton
+can run makes the Triton RMSNorm, rotary and SiLU-and-mul kernels the "cuda" implementations of those
+model ops; a model's rotary embedding and KV-cache write then run as one kernel (rope_and_write_kv).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
-from modelfleet.dataplane.attention.backend import AttentionBackend, RotaryFn, register_backend
+from modelfleet.dataplane.attention.backend import AttentionBackend, RotaryFn
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 from modelfleet.dataplane.kernels import registry as triton_ops
-from modelfleet.dataplane.kernels.registry import register_triton_ops
 from modelfleet.dataplane.layers.rotary import RotaryEmbedding
 from modelfleet.dataplane.ops import get_op
-
-register_triton_ops()
 
 
 def _is_triton_rotary(rotary: RotaryFn, device_type: str) -> bool:
@@ -96,7 +91,3 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             sliding_window=sliding_window,
         )
-
-
-if importlib.util.find_spec("triton") is not None:
-    register_backend("triton")(TritonPagedAttention)

@@ -1,13 +1,14 @@
 """Makes the Triton kernels the "cuda" implementations of the model ops (modelfleet.dataplane.ops).
 
 The signatures are those of the torch references in modelfleet.dataplane.layers. Registering needs
-neither Triton nor a GPU (the kernel modules load on the first call), but is done only where both exist.
+neither Triton nor a GPU (the kernel modules load on the first call), but is done only where both exist,
+by `register_builtins` (modelfleet.dataplane.registration) at engine start.
 """
 
 import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.kernels.availability import triton_usable
-from modelfleet.dataplane.ops import register_op
+from modelfleet.dataplane.ops import register_op, registered_ops
 
 DEVICE_TYPE = "cuda"  # ROCm GPUs are torch "cuda" devices too, and Triton compiles for them
 # Up to this many tokens the GEMV beats cuBLAS on the decode linears (bench/gemv.py, H100: 1.03 to 1.36x
@@ -68,10 +69,13 @@ OPS = {
 }
 
 
-def register_triton_ops(*, force: bool = False) -> bool:
-    """Register every op of OPS for "cuda"; returns whether it did (only where Triton can run)."""
+def register_triton_ops(*, force: bool = False, keep: bool = False) -> bool:
+    """Register every op of OPS for "cuda"; returns whether it did (only where Triton can run, unless
+    forced). keep: an op that has a "cuda" implementation already keeps it."""
     if not (force or triton_usable()):
         return False
+    present = registered_ops() if keep else {}
     for name, fn in OPS.items():
-        register_op(name, DEVICE_TYPE)(fn)
+        if (name, DEVICE_TYPE) not in present:
+            register_op(name, DEVICE_TYPE)(fn)
     return True

@@ -26,6 +26,7 @@ from modelfleet.dataplane.models.llama import LlamaForCausalLM
 from modelfleet.dataplane.models.loader import CheckpointError, load_weights
 from modelfleet.dataplane.parallel.sharding import split_heads
 from modelfleet.dataplane.quantization import QuantizationError, check_fp8_supported
+from modelfleet.dataplane.registration import register_builtins
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.parallel.group import TensorParallelGroup
@@ -84,6 +85,7 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     if config.quantization is not None and config.quantization.format == "fp8":
         check_fp8_supported(device)  # one clear line at load time rather than at the first request
+    register_builtins()  # the engine's start: the built-in attention backends and kernels
     backend = get_backend(attention_backend or attention_backend_name(device))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, tp)

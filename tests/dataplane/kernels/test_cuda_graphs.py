@@ -158,10 +158,10 @@ def test_llama_decode_graphs_match_eager(device):
     if device.type != "cuda":
         pytest.skip("needs a CUDA GPU (graphs cannot be captured under the interpreter)")
     from modelfleet.dataplane.attention import AttentionMetadata, get_backend
-    from modelfleet.dataplane.attention.triton_paged import TritonPagedAttention  # noqa: F401
     from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
     from modelfleet.dataplane.models import ModelConfig
     from modelfleet.dataplane.models.llama import LlamaForCausalLM
+    from modelfleet.dataplane.registration import register_builtins
 
     hf_config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
@@ -171,6 +171,7 @@ def test_llama_decode_graphs_match_eager(device):
     }  # fmt: skip
     config = ModelConfig.from_hf_dict(hf_config)
     torch.manual_seed(0)
+    register_builtins()  # as an engine's start: the "triton" backend and the Triton ops
     model = LlamaForCausalLM(config, get_backend("triton")).to(device, torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():

@@ -62,7 +62,6 @@ def hf_generate(model_dir, device, dtype=torch.bfloat16):
 def test_bf16_engine_matches_hf_by_logprob_closeness(device, tmp_path):
     if device.type != "cuda":
         pytest.skip("needs a CUDA GPU")
-    import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
     import transformers
     from modelfleet.dataplane import LLM, SamplingParams
 

@@ -21,7 +21,6 @@ def prompts():
 def test_engine_on_gpu_with_triton_matches_cpu(device, tiny_llama_dir):
     if device.type != "cuda":
         pytest.skip("needs a CUDA GPU")
-    import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
     from modelfleet.dataplane import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -32,7 +32,9 @@ def build_step(query_lens, seq_lens, block_size, num_blocks, device):
 )
 @pytest.mark.parametrize("sliding_window", [None, 64])
 def test_triton_backend_matches_torch_backend(device, dtype, query_lens, seq_lens, sliding_window):
-    import modelfleet.dataplane.attention.triton_paged  # noqa: F401  (registers "triton")
+    from modelfleet.dataplane.registration import register_builtins
+
+    register_builtins()  # as an engine's start: "triton" and "torch"
 
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 16, 4, 64, 16, 400
     meta = build_step(query_lens, seq_lens, block_size, num_blocks, device)

@@ -7,8 +7,14 @@ import random
 import pytest
 import torch
 from modelfleet.dataplane.attention import AttentionMetadata, available_backends, get_backend
+from modelfleet.dataplane.registration import register_builtins
 
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def builtin_backends() -> None:
+    register_builtins()  # what loading a model does first
 
 
 def naive_attention(q, kv_cache, query_lens, seq_lens, tables, scale, window=None) -> torch.Tensor:

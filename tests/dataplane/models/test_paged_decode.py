@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 from modelfleet.dataplane.attention import get_backend
+from modelfleet.dataplane.registration import register_builtins
 from test_paged_attention import TOLERANCE, make_case, naive_attention
+
+
+@pytest.fixture(autouse=True, scope="module")
+def builtin_backends() -> None:
+    register_builtins()  # what loading a model does first
 
 
 def decode_case(num_heads: int, num_kv_heads: int, dtype: torch.dtype, seed: int):
