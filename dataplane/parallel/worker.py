@@ -61,9 +61,12 @@ def run_worker(
     max_model_len: int | None,
     device: str,
     port: int,
+    environ: dict[str, str],
 ) -> None:
     """The worker process's main; it ends the process itself (os._exit), so no exit handler can hang
     on a group whose peers are gone."""
+    os.environ.clear()
+    os.environ.update(environ)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_rank0, args=(lifeline,), name="lifeline", daemon=True).start()
     code = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -90,6 +91,8 @@ class WorkerGroup:
                     max_model_len,
                     str(devices[rank]),
                     self._store.port,
+                    # The fork server's environment is that of its start: each worker takes rank 0's now.
+                    dict(os.environ),
                 ),
                 name=f"modelfleet-tp-rank{rank}",
                 daemon=True,
