@@ -74,10 +74,6 @@ class Sampler:
         self.fused = fused
         self._seeds = np.random.default_rng(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: float32 [N, vocab], row i for seqs[i]; waits for the tokens."""
-        return self.sample(logits, seqs).result()
-
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         """Queues the sampling of one token per row (no wait on the device). logits: [N, vocab], any

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from modelfleet.dataplane.engine.sampler import Sampler, apply_penalties
+from modelfleet.dataplane.engine.sampler import Sampler, SamplerOutput, apply_penalties
 from modelfleet.dataplane.engine.sequence import Sequence
 from modelfleet.dataplane.sampling_params import SamplingParams
 
@@ -18,13 +18,18 @@ def seq(params: SamplingParams, prompt=(1, 2, 3), output=(), request_id="r") -> 
     return s
 
 
+def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    """One step's tokens, waited for."""
+    return sampler.sample(logits, seqs).result()
+
+
 def random_logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
 def test_greedy_is_argmax_per_row():
     logits = random_logits(4)
-    out = Sampler(CPU)(logits, [seq(SamplingParams(temperature=0.0)) for _ in range(4)])
+    out = sample(Sampler(CPU), logits, [seq(SamplingParams(temperature=0.0)) for _ in range(4)])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.errors == [None] * 4 and out.logprobs == [None] * 4
 
@@ -36,7 +41,7 @@ def test_filters_that_keep_one_token_give_the_argmax(params):
     logits = random_logits(6)
     sampler = Sampler(CPU, seed=3)
     for _ in range(5):
-        out = sampler(logits, [seq(SamplingParams(temperature=1.5, **params)) for _ in range(6)])
+        out = sample(sampler, logits, [seq(SamplingParams(temperature=1.5, **params)) for _ in range(6)])
         assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
@@ -44,7 +49,8 @@ def test_top_k_samples_only_among_the_k_best():
     logits = random_logits(1, seed=1)
     best3 = set(logits[0].topk(3).indices.tolist())
     sampler = Sampler(CPU, seed=0)
-    seen = {sampler(logits, [seq(SamplingParams(top_k=3, temperature=5.0))]).token_ids[0] for _ in range(200)}
+    params = SamplingParams(top_k=3, temperature=5.0)
+    seen = {sample(sampler, logits, [seq(params)]).token_ids[0] for _ in range(200)}
     assert seen == best3
 
 
@@ -52,14 +58,14 @@ def test_top_p_keeps_the_smallest_head_reaching_the_mass():
     # Probabilities 0.5, 0.3, 0.2: top_p 0.6 keeps the first two.
     logits = torch.log(torch.tensor([[0.2, 0.5, 0.3]]))
     sampler = Sampler(CPU, seed=0)
-    seen = {sampler(logits, [seq(SamplingParams(top_p=0.6))]).token_ids[0] for _ in range(200)}
+    seen = {sample(sampler, logits, [seq(SamplingParams(top_p=0.6))]).token_ids[0] for _ in range(200)}
     assert seen == {1, 2}
 
 
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = torch.log(probs).repeat(4000, 1)
-    out = Sampler(CPU, seed=0)(logits, [seq(SamplingParams(temperature=1.0)) for _ in range(4000)])
+    out = sample(Sampler(CPU, seed=0), logits, [seq(SamplingParams(temperature=1.0)) for _ in range(4000)])
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=3) / 4000
     assert torch.allclose(freq, probs, atol=0.03), freq
 
@@ -74,7 +80,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
         tokens = []
         for _ in range(20):
             seqs = [target if r == target_row else seq(SamplingParams(temperature=1.0)) for r in batch_rows]
-            out = sampler(logits[batch_rows], seqs)
+            out = sample(sampler, logits[batch_rows], seqs)
             tokens.append(out.token_ids[batch_rows.index(target_row)])
         return tokens
 
@@ -90,7 +96,7 @@ def test_unseeded_sampling_follows_the_engine_seed():
 
     def draws(seed: int) -> list[list[int]]:
         sampler = Sampler(CPU, seed=seed)
-        return [sampler(logits, seqs).token_ids for _ in range(5)]
+        return [sample(sampler, logits, seqs).token_ids for _ in range(5)]
 
     assert draws(5) == draws(5)
     assert draws(5) != draws(6)
@@ -114,7 +120,7 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
 def test_penalty_changes_the_greedy_choice():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
     params = SamplingParams(temperature=0.0, frequency_penalty=2.0)
-    out = Sampler(CPU)(logits, [seq(params, output=(0,))])
+    out = sample(Sampler(CPU), logits, [seq(params, output=(0,))])
     assert out.token_ids == [1]
 
 
@@ -122,7 +128,7 @@ def test_logprobs_report_top_n_and_the_chosen_token():
     logits = random_logits(2, seed=4)
     expected = torch.log_softmax(logits, dim=-1)
     seqs = [seq(SamplingParams(temperature=0.0, logprobs=3)), seq(SamplingParams(temperature=0.0))]
-    out = Sampler(CPU)(logits, seqs)
+    out = sample(Sampler(CPU), logits, seqs)
     top = expected[0].topk(3)
     assert set(out.logprobs[0]) == set(top.indices.tolist())
     for token_id, value in out.logprobs[0].items():
@@ -132,7 +138,7 @@ def test_logprobs_report_top_n_and_the_chosen_token():
 
 def test_logprobs_zero_reports_just_the_chosen_token():
     logits = random_logits(1, seed=5)
-    out = Sampler(CPU, seed=1)(logits, [seq(SamplingParams(temperature=1.0, logprobs=0))])
+    out = sample(Sampler(CPU, seed=1), logits, [seq(SamplingParams(temperature=1.0, logprobs=0))])
     ((token_id, value),) = out.logprobs[0].items()
     assert token_id == out.token_ids[0]
     assert math.isclose(value, torch.log_softmax(logits, -1)[0, token_id].item(), rel_tol=1e-6)
@@ -141,7 +147,7 @@ def test_logprobs_zero_reports_just_the_chosen_token():
 def test_nan_logits_fail_only_their_row():
     logits = random_logits(3, seed=6)
     logits[1, 4] = float("nan")
-    out = Sampler(CPU)(logits, [seq(SamplingParams(temperature=0.0)) for _ in range(3)])
+    out = sample(Sampler(CPU), logits, [seq(SamplingParams(temperature=0.0)) for _ in range(3)])
     assert out.errors[1] is not None and "NaN" in out.errors[1]
     assert out.errors[0] is None and out.errors[2] is None
     assert [out.token_ids[0], out.token_ids[2]] == logits[[0, 2]].argmax(dim=-1).tolist()
