@@ -77,7 +77,12 @@ class WorkerGroup:
         self._store = master_store(size)
         self.conns: list[Connection] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
-        lifelines: list[Connection] = []
+        # Closing the writer (at close, or when the group is collected) wakes the monitor to end.
+        monitor_wake, stop_monitor = multiprocessing.Pipe(duplex=False)
+        # Pipe ends closed at stop: the monitor's, then each worker's lifeline (its end tells it to exit).
+        ends: list[Connection] = [stop_monitor]
+        # Stops whatever has started, also when a later start fails.
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, ends)
         for rank in range(1, size):
             conn, child_conn = context.Pipe()
             lifeline_in, lifeline = context.Pipe(duplex=False)
@@ -102,12 +107,7 @@ class WorkerGroup:
             lifeline_in.close()
             self.conns.append(conn)
             self.processes.append(process)
-            lifelines.append(lifeline)
-        # Closing the writer (at close, or when the group is collected) wakes the monitor to end.
-        monitor_wake, stop_monitor = multiprocessing.Pipe(duplex=False)
-        self._finalizer = weakref.finalize(
-            self, _stop, self.processes, self.conns, [*lifelines, stop_monitor]
-        )
+            ends.append(lifeline)
         try:
             for rank in range(1, size):
                 self._expect(rank, "hello")
@@ -205,7 +205,7 @@ def _watch(group_ref: weakref.ref, sentinels: list[int], wake: Connection) -> No
 
 
 def _stop(
-    processes: list[multiprocessing.process.BaseProcess], conns: list[Connection], lifelines: list[Connection]
+    processes: list[multiprocessing.process.BaseProcess], conns: list[Connection], ends: list[Connection]
 ) -> None:
     for conn in conns:
         with contextlib.suppress(OSError, ValueError):
@@ -215,5 +215,5 @@ def _stop(
         if process.is_alive():
             process.kill()
             process.join(timeout=_JOIN_SECONDS)
-    for conn in [*conns, *lifelines]:
+    for conn in [*conns, *ends]:
         conn.close()
