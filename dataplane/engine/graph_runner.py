@@ -74,7 +74,9 @@ class GraphRunner:
         """Runs the step's forward and queues its sampling."""
         scheduled = out.scheduled
         self._drop_stale_caches()
-        inflight = self._sampled_ids.tolist() if self._sampled_ids is not None else []
+        # Read back once, and only when a sequence's input is a token still in flight.
+        waits = any(item.num_computed_tokens >= len(item.seq.token_ids) for item in scheduled)
+        inflight = self._sampled_ids.tolist() if waits and self._sampled_ids is not None else []
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(scheduled):
             groups.setdefault(item.num_new_tokens, []).append(i)
