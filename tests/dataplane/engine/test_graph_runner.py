@@ -79,3 +79,24 @@ def test_graph_engines_run_without_prefix_caching(model_dir):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         GraphRunner(EngineConfig(str(model_dir)), 64, graph_class=SumGraph)
     assert graph_engine(model_dir, SumGraph).config.enable_prefix_caching is False
+
+
+@pytest.mark.gpu
+def test_tensorrt_engine_matches_the_torch_engine(tiny_model_dir, tmp_path):
+    pytest.importorskip("tensorrt")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from modelfleet.converters.convert import Request, convert
+    from modelfleet.dataplane.tensorrt_engine import TensorRTRunner
+
+    out = tmp_path / "nvidia-h100-tensorrt-fp32"
+    request = Request(str(tiny_model_dir), "nvidia-h100", out, format="tensorrt", dtype="fp32")
+    assert convert(request)["ok"]
+    prompts = ["The scheduler batches", "A canary release is a cautious experiment with many words in it"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ours = LLM(graph_engine(out, TensorRTRunner))
+    assert ours.engine.runner.sampler.fused  # the logits stay on the GPU for the sampling kernel
+    want = LLM(tiny_model_dir, device="cpu", dtype="float32").generate(prompts, params)
+    assert [o.token_ids for o in ours.generate(prompts, params)] == [o.token_ids for o in want]
