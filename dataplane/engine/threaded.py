@@ -1,6 +1,7 @@
 """The caller's side of an engine that runs on its own thread: commands go to the thread through a
-deque, outputs come back through one asyncio queue per request. AsyncLLM (the torch engine) and
-AsyncOnnxEngine share it; each supplies its checks, its "add" command and its thread loop."""
+deque, outputs come back through one asyncio queue per request. AsyncLLM (the engine on a thread, for
+every artifact format) and AsyncLLMProcess (its reader of an engine process) share it; each supplies its
+checks, its "add" command and its thread loop."""
 
 from __future__ import annotations
 
