@@ -18,7 +18,6 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
-        self.tokenizer = tokenizer
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._decoder = None if tokenizer is None else _decoder(tokenizer, context)
         self.stop = stop
