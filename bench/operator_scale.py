@@ -452,13 +452,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kmock", action="store_true", help="an emulated API server instead of a cluster")
     parser.add_argument("--models", type=int, help="default: 1000 (cluster), 100 (kmock)")
     parser.add_argument("--rate", type=float, default=10.0, help="models created per second")
-    parser.add_argument("--rest-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--rest-seconds", type=float, help="default: one resync interval, so each model's resync falls in it"
+    )
     parser.add_argument("--baseline-seconds", type=float, default=20.0)
     parser.add_argument("--settle", type=float, default=15.0, help="seconds between phases")
     parser.add_argument("--converge-timeout", type=float, default=120.0)
     parser.add_argument("--resync", type=float, default=300.0, help="MODELFLEET_RESYNC_SECONDS")
     args = parser.parse_args(argv)
     args.models = args.models or (100 if args.kmock else 1000)
+    args.rest_seconds = args.rest_seconds or args.resync
     if args.kmock:
         where: Emulated | Real = Emulated()
     else:
