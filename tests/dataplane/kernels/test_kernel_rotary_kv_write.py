@@ -44,8 +44,8 @@ def random_slots(num_tokens: int, device) -> torch.Tensor:
 
 @pytest.fixture
 def triton_rotary_op(device):
-    """The Triton rotary kernel as the model's rotary op on the test device, as on any CUDA device where
-    the Triton backend is imported (also for a CPU run under Triton's interpreter)."""
+    """The Triton rotary kernel as the model's rotary op on the test device, as register_builtins makes it
+    on any CUDA device where Triton runs (also for a CPU run under Triton's interpreter)."""
     from modelfleet.dataplane.kernels import registry
     from modelfleet.dataplane.ops import register_op, registered_ops, unregister_op
 
