@@ -96,7 +96,7 @@ def test_concurrency_cap_and_bounded_queue(guarded):
 def test_token_rate_limit(guarded):
     small = client(guarded, "sk-small")
     small.completions.create(
-        model="tiny", prompt="count to ten", max_tokens=30, extra_body={"ignore_eos": True}
+        model="tiny", prompt="count to ten", max_tokens=12, extra_body={"ignore_eos": True}
     )
     with pytest.raises(openai.RateLimitError) as info:
         small.completions.create(model="tiny", prompt="x", max_tokens=1)
