@@ -157,7 +157,7 @@ class Engine(_Model):
     )
     kv_cache_bytes: int | None = Field(
         default=None,
-        ge=1 << 20,
+        ge=1 << 16,
         le=1 << 40,
         description="KV-cache budget in bytes on the CPU (default 1 GiB); accelerators use "
         "kvCacheMemoryFraction.",

@@ -13,6 +13,7 @@ from modelfleet.local.fleet import Fleet
 from modelfleet.operator.api import API_VERSION
 
 MODEL = "chat"
+KV_CACHE_BYTES = 1 << 18  # fewer blocks than 6 sequences of 192 tokens could fill
 
 
 def model_yaml(
@@ -22,7 +23,7 @@ def model_yaml(
     loaded on first use so that a test can look at an artifact before any server reads it."""
     spec: dict[str, Any] = {
         "hardware": {"accelerator": "cpu"},
-        "engine": {"maxModelLen": 192, "maxNumSeqs": 6},
+        "engine": {"maxModelLen": 192, "maxNumSeqs": 6, "kvCacheBytes": KV_CACHE_BYTES},
         "traffic": [{"version": "v1", "weight": w1}, {"version": "v2", "weight": w2}],
         "loading": {"mode": "lazy"},
     }

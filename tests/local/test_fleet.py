@@ -14,7 +14,21 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from local_fleet import MODEL, alive, descendants, model, model_yaml, serving_pods, version_doc, wait_for
+import torch
+from local_fleet import (
+    KV_CACHE_BYTES,
+    MODEL,
+    alive,
+    descendants,
+    model,
+    model_yaml,
+    serving_pods,
+    version_doc,
+    wait_for,
+)
+from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.device import default_dtype
+from modelfleet.dataplane.models import ModelConfig, kv_cache_block_bytes
 from modelfleet.operator.api import API_VERSION
 
 # p=0.7 over 160 requests: the 99.9% binomial interval is 112 +- 19 (normal approximation, z=3.29).
@@ -137,13 +151,19 @@ def test_requests_follow_the_requested_split(fleet):
 # --- 3. spec.engine reaches the engine ----------------------------------------------------------------
 
 
-def test_engine_settings_of_the_yaml_are_what_the_server_runs(fleet):
+def test_engine_settings_of_the_yaml_are_what_the_server_runs(fleet, pvc_root: Path):
     split(fleet, 8)  # both versions loaded (lazy loading)
     ready = httpx.get(fleet.endpoint(MODEL).removesuffix("/v1") + "/ready", timeout=10).json()
     loaded = [v for v in ready["versions"] if v["state"] == "loaded"]
     assert {v["version"] for v in loaded} == {"v1", "v2"}
     for version in loaded:
         assert version["max_num_seqs"] == 6 and version["max_model_len"] == 192, version
+    # The KV budget, in blocks of v1's torch engine (its dtype: this CPU's default).
+    config = ModelConfig.from_dir(pvc_root / "models" / "chat" / "v1")
+    dtype = default_dtype(torch.device("cpu"))
+    block_bytes = kv_cache_block_bytes(config, EngineConfig.block_size, dtype)
+    (v1,) = [v for v in loaded if v["version"] == "v1"]
+    assert v1["kv_cache_blocks"] == KV_CACHE_BYTES // block_bytes < 6 * 192 // EngineConfig.block_size
     with pytest.raises(openai.BadRequestError):  # the engine holds maxModelLen: 192 tokens in all
         client(fleet).completions.create(model=MODEL, prompt="Hello", max_tokens=200)
 
