@@ -23,7 +23,7 @@ import kopf
 from modelfleet.operator import sync
 from modelfleet.operator.api import GROUP, VERSION
 from modelfleet.operator.kube import Kube, KubeError
-from modelfleet.operator.observability import SKIPPED, observed_reconcile
+from modelfleet.operator.observability import API_REQUESTS, SKIPPED, observed_reconcile
 from modelfleet.operator.reconcile import names
 from modelfleet.operator.settings import get_settings
 from modelfleet.operator.triggers import Triggers
@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def make_context(kube: Kube | None = None) -> sync.Context:
-    return sync.Context(kube=kube or Kube(), settings=get_settings(), record=post_event)
+    kube = kube or Kube(on_request=lambda method: API_REQUESTS.labels(method).inc())
+    return sync.Context(kube=kube, settings=get_settings(), record=post_event)
 
 
 def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:

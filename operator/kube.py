@@ -15,7 +15,6 @@ from typing import Any
 
 from kubernetes import client
 from modelfleet.operator.api import API_VERSION
-from modelfleet.operator.observability import API_REQUESTS
 from modelfleet.operator.reconcile.names import FIELD_MANAGER
 
 PLURALS = {
@@ -53,8 +52,11 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str | None 
 
 
 class Kube:
-    def __init__(self, api_client: client.ApiClient | None = None) -> None:
+    def __init__(
+        self, api_client: client.ApiClient | None = None, on_request: Callable[[str], None] | None = None
+    ) -> None:
         self.api = api_client or client.ApiClient()
+        self.on_request = on_request  # called with the HTTP method of each request (the operator counts them)
         self._journal = threading.local()
 
     @contextmanager
@@ -91,7 +93,8 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
-        API_REQUESTS.labels(method).inc()
+        if self.on_request is not None:
+            self.on_request(method)
         try:
             response = self.api.call_api(
                 method, url, header_params=headers, body=payload, post_params=post, _request_timeout=TIMEOUT
