@@ -20,6 +20,7 @@ from modelfleet.controlplane.cluster import Cluster
 from modelfleet.controlplane.core import db, telemetry
 from modelfleet.controlplane.core.config import Settings
 from modelfleet.controlplane.errors import ControlPlaneError
+from modelfleet.dataplane.observability import configure_logging
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -122,9 +123,7 @@ class SettingsError(ValueError):
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         settings = load_settings()
     except SettingsError as error:

@@ -8,7 +8,6 @@ The manifest is watched: edit the weights in DIR/manifest.yaml and the split cha
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import threading
 import time
@@ -89,10 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
     from modelfleet.dataplane.manifest import load_manifest
+    from modelfleet.dataplane.observability import configure_logging
     from modelfleet.dataplane.server.runtime import build_app
     from modelfleet.dataplane.server.settings import ServerSettings
 
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("INFO")
     args.dir.mkdir(parents=True, exist_ok=True)
     print(
         f"creating the {args.size} demo model, two versions (seeds 0 and 1) under {args.dir} ...", flush=True

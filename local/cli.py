@@ -88,9 +88,9 @@ def run_up(args: argparse.Namespace) -> int:
 
     _check_port(args.port)
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from modelfleet.dataplane.observability import configure_logging
+
+    configure_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per readiness probe otherwise
     fleet = Fleet(args.work_dir, pvc_root=args.pvc_root, port=args.port)
 

@@ -32,6 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     import kopf
+    from modelfleet.dataplane.observability import configure_logging
     from modelfleet.operator import handlers, preflight  # noqa: F401  (register their handlers with kopf)
     from modelfleet.operator.observability import REGISTRY, setup_tracing
     from prometheus_client import start_http_server
@@ -46,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(level)
     if settings.operator_metrics_port:
         start_http_server(settings.operator_metrics_port, registry=REGISTRY)
     setup_tracing()

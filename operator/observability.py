@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import kopf
+from modelfleet.dataplane.observability import install_tracing
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -79,18 +79,5 @@ def observed_reconcile(
 
 
 def setup_tracing() -> bool:
-    """Export spans over OTLP/HTTP when the standard OTEL_EXPORTER_OTLP_* variables name an endpoint."""
-    if not (
-        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    ):
-        return False
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    service = os.environ.get("OTEL_SERVICE_NAME", "modelfleet-operator")
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    trace.set_tracer_provider(provider)
-    return True
+    """Install the exporter the OTEL_* variables ask for, by the rule all our services share."""
+    return install_tracing("modelfleet-operator") is not None

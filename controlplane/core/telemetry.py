@@ -1,19 +1,18 @@
 """Prometheus metrics for HTTP requests and SQL statements, and OpenTelemetry spans for SQL statements.
 
 FastAPI traces HTTP requests itself (server spans with W3C trace-context, dependency and endpoint spans)
-once a tracer provider is set; `setup_tracing` sets one with an OTLP exporter when the standard OTEL_*
-variables name an endpoint, and the SQL spans here nest under FastAPI's. Without one, the API's no-op
-tracer keeps the cost near zero.
+once a tracer provider is set; `setup_tracing` sets one when the standard OTEL_* variables ask for an
+exporter (dataplane/observability.py holds the rule all our services share), and the SQL spans here nest
+under FastAPI's. Without one, the API's no-op tracer keeps the cost near zero.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from typing import Any
 
+from modelfleet.dataplane.observability import install_tracing
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
@@ -38,33 +37,10 @@ DB_UNAVAILABLE = Counter(
     "modelfleet_controlplane_db_unavailable_total", "Requests refused: database unavailable"
 )
 
-_provider_lock = threading.Lock()
-_provider_set = False
-
 
 def setup_tracing() -> None:
-    """Install an OTLP exporter once per process, if the environment asks for one."""
-    global _provider_set
-    wanted = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
-    )
-    disabled = os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true"
-    if not wanted or disabled or os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower() == "none":
-        return
-    with _provider_lock:
-        if _provider_set:
-            return
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        service = os.environ.get("OTEL_SERVICE_NAME", "modelfleet-controlplane")
-        provider = TracerProvider(resource=Resource.create({"service.name": service}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        trace.set_tracer_provider(provider)
-        _provider_set = True
-        log.info("tracing to %s", wanted)
+    """Install the exporter the OTEL_* variables ask for (once per process), by the shared rule."""
+    install_tracing("modelfleet-controlplane")
 
 
 class MetricsMiddleware:

@@ -144,8 +144,9 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
 def run_engine_process(conn: Connection, config: Any) -> None:
     """The child's main: build the engine, then step it, applying commands between steps."""
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
+    from modelfleet.dataplane.observability import configure_logging
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.WARNING)
     try:
         engine = LLMEngine(config)
     except Exception as exc:

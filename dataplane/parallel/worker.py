@@ -67,7 +67,9 @@ def run_worker(
     on a group whose peers are gone."""
     os.environ.clear()
     os.environ.update(environ)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from modelfleet.dataplane.observability import configure_logging
+
+    configure_logging(logging.WARNING)
     threading.Thread(target=_exit_with_rank0, args=(lifeline,), name="lifeline", daemon=True).start()
     code = 0
     try:

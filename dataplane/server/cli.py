@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,14 +53,14 @@ def handle(args: argparse.Namespace) -> int:
     # The server's libraries only when it runs: building the `modelfleet` parser stays cheap.
     import uvicorn
     from modelfleet.dataplane.manifest import ManifestError, ServedModel, load_manifest, single_model_manifest
+    from modelfleet.dataplane.observability import configure_logging
     from modelfleet.dataplane.server.auth import KeyFileError
     from modelfleet.dataplane.server.connections import uvicorn_config
     from modelfleet.dataplane.server.runtime import build_app
     from modelfleet.dataplane.server.settings import ServerSettings
     from pydantic import ValidationError
 
-    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=args.log_level.upper(), format=log_format)
+    configure_logging(args.log_level)
     try:
         settings = ServerSettings()
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}

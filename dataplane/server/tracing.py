@@ -3,12 +3,8 @@ the GenAI semantic-convention attribute names used on the request spans."""
 
 from __future__ import annotations
 
-import os
-
-from opentelemetry.sdk.resources import Resource
+from modelfleet.dataplane.observability import tracer_provider
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -38,26 +34,5 @@ def tracer_from_env(service_name: str = "modelfleet-server") -> Tracer:
 
 
 def provider_from_env(service_name: str = "modelfleet-server") -> TracerProvider:
-    """A tracer provider exporting where the OTEL_* variables say; with none set, spans are not sent.
-
-    OTEL_TRACES_EXPORTER=otlp (or any OTEL_EXPORTER_OTLP_*ENDPOINT) -> OTLP over HTTP, which reads its
-    own OTEL_EXPORTER_OTLP_* settings; `console` -> stdout; `none` -> nothing.
-    """
-    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    has_endpoint = any(
-        os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
-    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
-    if exporter_name == "console":
-        exporter = ConsoleSpanExporter()
-    elif exporter_name == "otlp" or (has_endpoint and exporter_name != "none"):
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()
-    else:
-        # Spans nobody receives are not recorded: building one costs the event loop tens of us per
-        # request. (With an exporter, OTEL_TRACES_SAMPLER decides, as the SDK reads it.)
-        return TracerProvider(resource=resource, sampler=ALWAYS_OFF)
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+    """The server's own provider, by the rule all three services share (see dataplane/observability.py)."""
+    return tracer_provider(service_name)
