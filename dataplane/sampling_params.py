@@ -15,6 +15,10 @@ MAX_LOGPROBS = 20
 # Every stop string is looked for after every step: a request with thousands of them slowed every other
 # request of its engine. OpenAI takes at most 4.
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 1000
+# OpenAI's range for a logit bias: -100 bans a token, 100 all but forces it.
+LOGIT_BIAS_LIMIT = 100.0
+# OpenAI takes at most 300 biased tokens; each is a scatter on the device per step.
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 @dataclass
@@ -35,6 +39,9 @@ class SamplingParams:
     # Number of most likely tokens whose log-probabilities are returned per generated token.
     logprobs: int | None = None
     ignore_eos: bool = False
+    # Token id -> a value added to that token's logit before sampling (OpenAI's logit_bias). The engine
+    # checks the ids against its vocabulary when the request is added.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # "cumulative": each output carries the whole text, token ids and logprobs so far. "delta": only what
     # is new (streaming servers: a step's outputs then cost the same at token 10 and at token 10,000).
     output_kind: str = "cumulative"
@@ -44,6 +51,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
@@ -82,8 +90,29 @@ class SamplingParams:
         bad_logprobs = not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         if self.logprobs is not None and bad_logprobs:
             raise ValueError(f"logprobs: {self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
+        self._validate_logit_bias()
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind: {self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
+
+    def _validate_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias: {self.logit_bias!r} must be a mapping of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or not 0 <= token <= INT64_MAX:
+                raise ValueError(f"logit_bias: key {token!r} must be a token id (an integer >= 0)")
+            if not _is_number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be in [-100, 100], not {bias!r}"
+                )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError if a biased token is outside the model's vocabulary (an index error mid-step
+        would fail the whole batch)."""
+        outside = [t for t in self.logit_bias if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +127,7 @@ class SamplingParams:
             and self.min_p == 0.0
             and self.logprobs is None
             and not self.has_penalties
+            and not self.logit_bias
         )
 
     @property

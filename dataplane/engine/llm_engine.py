@@ -65,6 +65,7 @@ class PromptChecks:
         vocab = self.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        params.check_vocab(vocab)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "

@@ -93,6 +93,8 @@ class Sampler:
 
         if any(s.has_penalties for s in seqs):
             logits = apply_penalties(logits, seqs)
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)
 
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
@@ -170,6 +172,20 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Adds each row's own biases to its logits (ids were checked against the vocabulary on add)."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            rows.append(i)
+            cols.append(token)
+            values.append(float(bias))
+    device = logits.device
+    index = torch.tensor([rows, cols], dtype=torch.long).to(device, non_blocking=True)
+    bias = torch.tensor(values, dtype=logits.dtype).to(device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), bias, accumulate=True)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -27,7 +27,9 @@ def check_request(
                 "shorten it",
                 param="prompt",
             )
-    max_tokens = requested_max_tokens(request) or settings.default_max_tokens
+    max_tokens = requested_max_tokens(request) or default_max_tokens(
+        settings, request, prompts, max_model_len
+    )
     if max_tokens > settings.max_tokens_limit:
         raise BadRequest(
             f"max_tokens: {max_tokens} is over the server's limit of {settings.max_tokens_limit}",
@@ -53,6 +55,17 @@ def check_request(
     except ValueError as exc:
         param = str(exc).split(":", 1)[0]
         raise BadRequest(str(exc), param=param) from None
+
+
+def default_max_tokens(
+    settings: ServerSettings, request: Any, prompts: list[list[int]], max_model_len: int | None
+) -> int:
+    """A chat answer without max_tokens may use the rest of the context (as OpenAI's and vLLM's do), up
+    to the server's max_tokens_limit; a legacy completion gets default_max_tokens (OpenAI's 16)."""
+    if not isinstance(request, ChatCompletionRequest) or not max_model_len:
+        return settings.default_max_tokens
+    room = max_model_len - max(len(p) for p in prompts)
+    return max(1, min(room, settings.max_tokens_limit))
 
 
 def requested_max_tokens(request: Any) -> int | None:

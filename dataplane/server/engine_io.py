@@ -39,6 +39,7 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
         "max_tokens": max_tokens,
         "logprobs": logprobs,
         "ignore_eos": request.ignore_eos,
+        "logit_bias": dict(request.logit_bias or {}),
         # events carry only what is new; cumulative outputs would copy each request's whole text and
         # tokens (and, from an engine process, pickle them) on every step
         "output_kind": "delta",

@@ -104,4 +104,6 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "missing":
         message = "required field is missing"
+    if err.get("type") == "extra_forbidden":
+        message = "is not supported by this server; remove it"
     return (f"{field}: {message}" if field else message), field

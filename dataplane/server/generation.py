@@ -71,12 +71,10 @@ class Generation:
         return self.renderer.response(self.engine.tokenizer)
 
     async def chunks(self) -> AsyncIterator[Any]:
-        """Streaming chunks. Usage comes as OpenAI sends it (an extra chunk) when the client asked with
-        `stream_options.include_usage`; otherwise it rides on the chunk that finishes the last choice, so
-        every answer carries its usage."""
+        """Streaming chunks. Usage comes only as OpenAI sends it: a last chunk with no choices, when the
+        client asked with `stream_options.include_usage`."""
         tokenizer = self.engine.tokenizer
         opened = False
-        num_choices, finished = len(self.prompts) * self.n, 0
         async with contextlib.aclosing(self._events()) as events:
             async for event in events:
                 if not opened:  # opening chunks wait for the first token, so a refusal is still an HTTP error
@@ -84,12 +82,7 @@ class Generation:
                     for chunk in self.renderer.opening_chunks():
                         yield chunk
                 self.renderer.add(event)
-                chunk = self.renderer.chunk(event, tokenizer)
-                if event.finish_reason:
-                    finished += 1
-                    if finished == num_choices and not self.include_usage:
-                        chunk.usage = self.renderer.usage()
-                yield chunk
+                yield self.renderer.chunk(event, tokenizer)
         if self.include_usage:
             yield self.renderer.usage_chunk()
 

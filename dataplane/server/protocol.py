@@ -40,9 +40,36 @@ def _first_non_utf8(value: Any, path: str) -> str | None:
     return None
 
 
+# Fields clients send that cannot change the answer: taken and dropped. Any other field this server does
+# not implement is a 400 naming it (extra="forbid"), so that a client never silently gets a different
+# answer than it asked for.
+HARMLESS_FIELDS = frozenset(
+    {
+        "metadata",  # the client's own tags
+        "store",  # OpenAI keeps the answer for its dashboard; nothing is kept here
+        "service_tier",  # a billing and latency class
+        "parallel_tool_calls",  # only means something with `tools`, which are refused
+        "prompt_cache_key",  # a routing hint for OpenAI's prompt cache
+        "safety_identifier",  # an end-user id for abuse reports
+    }
+)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(f"{value!r} is not supported; only 'text' (no structured output yet)")
+        return value
+
+
 class _Request(BaseModel):
-    # Clients send fields this server does not use (e.g. `logit_bias`); ignore rather than reject them.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
@@ -50,6 +77,8 @@ class _Request(BaseModel):
         found = _first_non_utf8(data, "")
         if found:
             raise ValueError(f"{found}: contains a lone surrogate; send valid UTF-8 text")
+        if isinstance(data, dict) and HARMLESS_FIELDS & data.keys():
+            data = {k: v for k, v in data.items() if k not in HARMLESS_FIELDS}
         return data
 
     model: str = Field(min_length=1)
@@ -70,6 +99,19 @@ class _Request(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+
+    # Token id (a JSON key, so a string) -> bias in [-100, 100], added to the logit before sampling.
+    logit_bias: dict[int, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        for token, bias in (value or {}).items():
+            if token < 0:
+                raise ValueError(f"token id {token} must be >= 0")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {token} must be in [-100, 100], not {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -131,6 +173,9 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+    # Without tools, "none" is what every answer already is; any other choice needs tools.
+    tool_choice: Literal["none"] | None = None
 
 
 class Usage(BaseModel):
@@ -230,7 +275,7 @@ class CompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = 0
+    created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "modelfleet"
     root: str | None = None
     parent: str | None = None
