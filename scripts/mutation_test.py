@@ -78,7 +78,9 @@ MODULES: dict[str, Module] = {
     ),
     # The facade's per-request steps: route, key limits (the prompt-token charge), checks, admission.
     "dataplane": Module(
-        "dataplane/server/dataplane.py", (f"{SERVER}/test_dataplane.py",), scope=("DataPlane._start",)
+        "dataplane/server/dataplane.py",
+        (f"{SERVER}/test_dataplane.py", f"{SERVER}/test_batch_admission.py"),
+        scope=("DataPlane._start",),
     ),
     "checks": Module(
         "dataplane/server/checks.py", (f"{SERVER}/test_dataplane.py", f"{SERVER}/test_batch_admission.py")

@@ -193,3 +193,47 @@ async def test_admission_queue_refuses_exactly_one_past_max_waiting():
         release.set()
         await asyncio.gather(*jobs, return_exceptions=True)
     assert (queue.running, queue.waiting) == (0, 0)
+
+
+async def test_a_gate_admits_up_to_max_running_without_waiting():
+    queue = AdmissionQueue(max_running=2, max_waiting=0)  # no waiting: a request that must wait is refused
+    async with queue.admit(), queue.admit():
+        assert queue.running == 2
+        with pytest.raises(RateLimited):
+            async with queue.admit():
+                pass
+
+
+async def test_a_replaced_gate_still_counts_while_its_requests_run():
+    from modelfleet.dataplane.server.admission import Admission
+
+    admission = Admission(max_waiting=4)
+    old = admission.gate("m", "v1", 2)
+    async with old.admit():
+        new = admission.gate("m", "v1", 3)  # the engine was reloaded with another size
+        assert new is not old and new.max_running == 3
+        assert admission.running == 1
+        assert admission.gate("m", "v1", 3) is new
+        assert admission.running == 1
+    assert admission.running == 0
+
+
+def test_a_reservation_may_fill_the_window_exactly():
+    limiter = RateLimiter(clock=FakeClock())
+    who = Principal("k", KeyLimits(tokens_per_minute=30))
+    assert limiter.reserve(who, 20) is not None
+    assert limiter.reserve(who, 10) is not None  # 30 of 30
+    with pytest.raises(RateLimited):
+        limiter.reserve(who, 1)
+
+
+def test_releasing_more_than_was_acquired_does_not_raise_the_cap():
+    limiter = RateLimiter(clock=FakeClock())
+    who = Principal("k", KeyLimits(max_concurrent=1))
+    limiter.release(who)  # nothing acquired yet
+    limiter.acquire(who)
+    limiter.release(who)
+    limiter.release(who)
+    limiter.acquire(who)
+    with pytest.raises(RateLimited, match="1 requests in flight"):
+        limiter.acquire(who)

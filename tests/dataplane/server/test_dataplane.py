@@ -13,7 +13,7 @@ from modelfleet.dataplane.manifest import single_model_manifest
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.auth import ANONYMOUS
 from modelfleet.dataplane.server.dataplane import RequestContext
-from modelfleet.dataplane.server.errors import EngineFailure, RateLimited
+from modelfleet.dataplane.server.errors import BadRequest, EngineFailure, RateLimited
 from modelfleet.dataplane.server.protocol import CompletionRequest
 from modelfleet.dataplane.server.runtime import build_dataplane
 from modelfleet.dataplane.server.settings import ServerSettings
@@ -229,6 +229,9 @@ async def test_refusals_are_counted_once_under_their_labels(dataplane):
         await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=2), busy)
     await first.response()
     assert sample(dataplane, rejected, reason="concurrency_limit_exceeded") == 1.0
+    # The first request's place was given back when it ended.
+    again = await dataplane.completion(CompletionRequest(model="m", prompt=[1], max_tokens=1), busy)
+    assert (await again.response()).usage.completion_tokens == 1
     assert sample(dataplane, total, model="m", version="v1", status="429") == 1.0
 
 
@@ -308,3 +311,58 @@ def test_prompt_plus_max_tokens_is_checked_against_the_longest_prompt_of_a_batch
     assert check_request(ServerSettings(), request, [[1] * 4, [1] * 59], 64).max_tokens == 5
     with pytest.raises(BadRequest, match=r"the prompt \(60 tokens\) plus max_tokens \(5\)"):
         check_request(ServerSettings(), request, [[1] * 4, [1] * 60], 64)
+
+
+async def test_a_refused_request_ends_its_span_with_the_error():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    engine = ScriptedEngine()
+    dp = build_dataplane(
+        ServerSettings(),
+        tracer=provider.get_tracer("t"),
+        loader=lambda spec: engine,
+        estimate_bytes=lambda spec: 0,
+    )
+    dp.apply_manifest(single_model_manifest("/models/m", name="m"))
+    try:
+        with pytest.raises(BadRequest):
+            await dp.completion(CompletionRequest(model="m", prompt=[1] * 64, max_tokens=1), ctx())
+    finally:
+        await dp.close()
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "text_completion m"]
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes["error.type"] == "context_length_exceeded"
+
+
+def test_batch_and_prompt_text_limits_at_and_one_past_the_limit():
+    from modelfleet.dataplane.server.checks import check_batch, check_prompt_chars, longest_token_chars
+
+    settings = ServerSettings(max_batch_prompts=2)
+    assert check_batch(settings, CompletionRequest(model="m", prompt=["a", "b"])) == 2
+    assert check_batch(settings, CompletionRequest(model="m", prompt=[1, 2, 3])) == 1  # one prompt of ids
+    with pytest.raises(BadRequest) as info:
+        check_batch(settings, CompletionRequest(model="m", prompt=["a", "b", "c"]))
+    assert info.value.param == "prompt"
+
+    class Vocab:
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "abc": 1}  # the longest token has 3 characters
+
+    tokenizer = Vocab()
+    bound = 63 * 3 * 4  # (max_model_len - 1) tokens x 3 characters x the normalizers' room
+    assert (
+        check_prompt_chars(ServerSettings(), CompletionRequest(model="m", prompt="x" * bound), tokenizer, 64)
+        == bound
+    )
+    assert longest_token_chars(tokenizer) == 3 and tokenizer._modelfleet_longest_token == 3
+    with pytest.raises(BadRequest) as info:
+        check_prompt_chars(
+            ServerSettings(), CompletionRequest(model="m", prompt="x" * (bound + 1)), tokenizer, 64
+        )
+    assert info.value.param == "prompt" and f"{bound + 1} characters" in info.value.message
