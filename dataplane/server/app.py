@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from modelfleet.dataplane.server import tokenize as tk
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.auth import Principal
 from modelfleet.dataplane.server.dataplane import UNKNOWN_MODEL, DataPlane, Generation, RequestContext
@@ -84,6 +85,18 @@ def create_app(dataplane: DataPlane, *, lifespan=None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, caller: Caller) -> Response:
         generation = await dataplane.chat(body, _context(request, caller))
         return await _respond(generation, request, stream=body.stream)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: tk.TokenizeRequest, _: Caller) -> dict:
+        return (await tk.tokenize(dataplane, body)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: tk.DetokenizeRequest, _: Caller) -> dict:
+        return (await tk.detokenize(dataplane, body)).model_dump()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tk.modelfleet_version()}
 
     @app.websocket("/v1/stream")
     async def stream_socket(socket: WebSocket) -> None:

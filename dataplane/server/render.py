@@ -80,6 +80,21 @@ class Renderer:
         )
 
 
+def chat_prompt_ids(tokenizer: Any, messages: list, *, add_generation_prompt: bool = True) -> list[int]:
+    """The messages through the model's own chat template, as token ids; 400 if the template refuses."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        encoded = tokenizer.apply_chat_template(
+            plain, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+    except Exception as exc:  # a template that rejects the conversation (e.g. roles out of order)
+        raise BadRequest(
+            f"messages: the model's chat template rejected them: {exc}", param="messages"
+        ) from None
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return list(ids)
+
+
 def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
@@ -177,16 +192,9 @@ class ChatRenderer(Renderer):
     request: ChatCompletionRequest
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
-        messages = [{"role": m.role, "content": m.text()} for m in self.request.messages]
-        try:
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # a template that rejects the conversation (e.g. roles out of order)
-            raise BadRequest(
-                f"messages: the model's chat template rejected them: {exc}", param="messages"
-            ) from None
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        ids = chat_prompt_ids(tokenizer, self.request.messages)
         self.num_prompt_tokens = len(ids)
-        return [list(ids)]
+        return [ids]
 
     def _logprobs(self, tokenizer: Any, token_ids, entries) -> ChatLogprobs | None:
         if not self.request.logprobs:
