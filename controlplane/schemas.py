@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from modelfleet.converters.formats import ACCELERATORS
+from modelfleet.dataplane.errorbody import ErrorBody, ErrorDetail  # noqa: F401  (the one error shape)
 from modelfleet.operator.api import STICKY_BY_PATTERN, Quantization, SourceFormat, TargetDtype, TargetFormat
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -305,19 +306,6 @@ class AuditEventPublic(Public):
     action: str
     target: str
     detail: dict[str, Any]
-
-
-class ErrorDetail(BaseModel):
-    message: str = Field(description="what is wrong and what to do, one line")
-    type: str
-    param: str | None = Field(default=None, description="the field or path parameter at fault")
-    code: int
-
-
-class ErrorBody(BaseModel):
-    """Every error, in the OpenAI error format."""
-
-    error: ErrorDetail
 
 
 class Principal(BaseModel):

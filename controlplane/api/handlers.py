@@ -4,6 +4,7 @@ refused mutating calls audited for the admin."""
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,7 @@ from modelfleet.controlplane import crud
 from modelfleet.controlplane.api.deps import DatabaseNotReady
 from modelfleet.controlplane.core import db, telemetry
 from modelfleet.controlplane.errors import ControlPlaneError
+from modelfleet.dataplane.errorbody import ErrorBody, ErrorDetail
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm.exc import StaleDataError
 from starlette.concurrency import run_in_threadpool
@@ -21,11 +23,37 @@ from starlette.exceptions import HTTPException
 log = logging.getLogger("modelfleet.controlplane")
 
 
+# The body's `code` names the error in words; the status stays the HTTP status only.
+CODES = {
+    400: "bad_request",
+    401: "invalid_api_key",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_request",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    502: "cluster_unavailable",
+    503: "service_unavailable",
+}
+
+
+def error_code(status: int) -> str:
+    if status in CODES:
+        return CODES[status]
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return "error"
+
+
 def error_body(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
-    """The OpenAI error body, used for every error this service returns."""
+    """The OpenAI error body (dataplane/errorbody.py), used for every error this service returns."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    detail = ErrorDetail(message=message, type=error_type, param=param, code=error_code(status))
+    return JSONResponse(ErrorBody(error=detail).model_dump(), status_code=status, headers=headers)
 
 
 def _field(loc: tuple[Any, ...]) -> str:

@@ -7,13 +7,15 @@ import schemathesis
 from controlplane_factories import ADMIN, Factory
 from fastapi.testclient import TestClient
 from fuzzing import fuzz
+from modelfleet.controlplane.api.handlers import error_code
+from modelfleet.dataplane.errorbody import ErrorBody
 
 
 def one_error_shape_and_no_5xx(case: schemathesis.Case, response: schemathesis.Response) -> None:
     assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert error["code"] == response.status_code, response.text
+        error = ErrorBody.model_validate(response.json()).error.model_dump()
+        assert error["code"] == error_code(response.status_code), response.text
         assert isinstance(error["message"], str) and error["message"], response.text
         assert isinstance(error["type"], str), response.text
 

@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from controlplane_factories import ADMIN, Factory
 from fastapi.testclient import TestClient
+from modelfleet.controlplane.api.handlers import error_code
+from modelfleet.dataplane.errorbody import ErrorBody
 
 API = "/api/v1"
 INT32_MAX = 2**31 - 1
@@ -16,8 +18,8 @@ INT32_MAX = 2**31 - 1
 
 def assert_400_naming(response, param: str) -> None:
     assert response.status_code in (400, 422), response.text
-    error = response.json()["error"]
-    assert error["code"] == response.status_code
+    error = ErrorBody.model_validate(response.json()).error.model_dump()
+    assert error["code"] == error_code(response.status_code)
     assert param in f"{error['param']} {error['message']}", error
 
 
