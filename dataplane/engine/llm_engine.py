@@ -360,6 +360,8 @@ class LLMEngine(PromptChecks):
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=bm.num_query_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
         )
 
 

@@ -88,3 +88,7 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int = 0
+    # Since the engine started, in tokens: prompt tokens looked up in the prefix cache, and found there.
+    # Counters (not the ratio above) are what sums across pods.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

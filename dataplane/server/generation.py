@@ -145,6 +145,8 @@ class Generation:
             num_output = self.renderer.completion_tokens
             dp.metrics.prompt_tokens.labels(*labels).inc(num_prompt)
             dp.metrics.e2e.labels(*labels).observe(end - started)
+            dp.metrics.request_prompt_tokens.labels(*labels).observe(num_prompt)
+            dp.metrics.request_generation_tokens.labels(*labels).observe(num_output)
             dp.metrics.requests.labels(*labels, status).inc()
             self.span.set_attribute(tr.INPUT_TOKENS, num_prompt)
             self.span.set_attribute(tr.OUTPUT_TOKENS, num_output)

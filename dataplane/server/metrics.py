@@ -6,6 +6,11 @@ waiting, KV-cache usage, prefix-cache hit ratio) are read from the loaded engine
 Waiting counts every request of the pod that has not started: in the server's admission queue and in
 the engine's own queue. `modelfleet_num_requests_waiting` has it per version, `POD_WAITING_METRIC` for
 the whole pod (always exported, 0 when idle or nothing is loaded): the autoscaler's signal.
+
+The same numbers are exported under vLLM's names too (`vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, `vllm:time_to_first_token_seconds`...), labelled `model_name` (vLLM's label)
+and `version`: the Gateway API Inference Extension's endpoint picker, KEDA recipes and vLLM dashboards
+read those without any mapping.
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LABELS = ("model", "version")
+VLLM_LABELS = ("model_name", "version")
 LOAD_STATES = ("unloaded", "loading", "loaded", "failed")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 _LOAD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 POD_WAITING_METRIC = "modelfleet_pod_requests_waiting"
@@ -31,7 +38,7 @@ AdmissionWaiting = Callable[[], dict[tuple[str, str], int]]
 
 
 class _EngineCollector(Collector):
-    """Gauges sampled from each loaded engine's `stats()` when Prometheus scrapes."""
+    """Gauges and counters sampled from each loaded engine's `stats()` when Prometheus scrapes."""
 
     def __init__(self, engines: Engines) -> None:
         self.engines = engines
@@ -47,6 +54,12 @@ class _EngineCollector(Collector):
         }
         families = {
             name: GaugeMetricFamily(f"modelfleet_{name}", doc, labels=LABELS) for name, doc in specs.items()
+        }
+        vllm = {
+            name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, doc, labels=VLLM_LABELS
+            )
+            for name, kind, doc, _ in _VLLM_ENGINE
         }
         admitting = self.admission_waiting()
         reported: set[tuple[str, str]] = set()
@@ -65,9 +78,13 @@ class _EngineCollector(Collector):
             }
             for name, value in values.items():
                 families[name].add_metric([model, version], float(value))
+            for name, _, _, source in _VLLM_ENGINE:
+                value = values[source] if source in values else getattr(stats, source, 0)
+                vllm[name].add_metric([model, version], float(value))
         for (model, version), waiting in admitting.items():
             if (model, version) not in reported and waiting:  # an engine replaced or unloaded meanwhile
                 families["num_requests_waiting"].add_metric([model, version], float(waiting))
+                vllm["vllm:num_requests_waiting"].add_metric([model, version], float(waiting))
         total = sum(sample.value for sample in families["num_requests_waiting"].samples)
         pod = GaugeMetricFamily(
             POD_WAITING_METRIC,
@@ -76,6 +93,48 @@ class _EngineCollector(Collector):
         pod.add_metric([], float(total))
         yield from families.values()
         yield pod
+        yield from vllm.values()
+
+
+# vLLM's engine metrics: name, kind, help, and where the value comes from (one of the values above, else
+# an EngineStats field). The counters count since the engine started: they sum across pods, and a
+# reload is a counter reset, which rate() handles.
+_VLLM_ENGINE = (
+    ("vllm:num_requests_running", "gauge", "Requests running (prefill or decode).", "num_requests_running"),
+    ("vllm:num_requests_waiting", "gauge", "Requests waiting to start.", "num_requests_waiting"),
+    ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage (1 means 100 percent).", "kv_cache_usage_ratio"),
+    (
+        "vllm:prefix_cache_queries",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_queries",
+    ),
+    ("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "counter", "Requests preempted by the scheduler.", "num_preemptions"),
+)
+
+
+class _Both:
+    """One of our metrics and its vLLM twin, updated together (the callers see one metric)."""
+
+    def __init__(self, ours, theirs) -> None:
+        self.ours, self.theirs = ours, theirs
+
+    def labels(self, model: str, version: str) -> _BothChild:
+        return _BothChild(self.ours.labels(model, version), self.theirs.labels(model, version))
+
+
+class _BothChild:
+    def __init__(self, ours, theirs) -> None:
+        self.ours, self.theirs = ours, theirs
+
+    def observe(self, value: float) -> None:
+        self.ours.observe(value)
+        self.theirs.observe(value)
+
+    def inc(self, value: float = 1) -> None:
+        self.ours.inc(value)
+        self.theirs.inc(value)
 
 
 class ServerMetrics:
@@ -85,32 +144,55 @@ class ServerMetrics:
         self.requests = Counter(
             "modelfleet_requests", "Requests answered, by HTTP status.", [*LABELS, "status"], registry=r
         )
-        self.ttft = Histogram(
-            "modelfleet_time_to_first_token_seconds",
+
+        def latency(name: str, doc: str, buckets: tuple[float, ...], *vllm_names: str):
+            ours = Histogram(f"modelfleet_{name}", doc, LABELS, buckets=buckets, registry=r)
+            for vllm_name in vllm_names:
+                ours = _Both(ours, Histogram(vllm_name, doc, VLLM_LABELS, buckets=buckets, registry=r))
+            return ours
+
+        self.ttft = latency(
+            "time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
-            LABELS,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            "vllm:time_to_first_token_seconds",
         )
-        self.itl = Histogram(
-            "modelfleet_inter_token_latency_seconds",
+        self.itl = latency(
+            "inter_token_latency_seconds",
             "Time between consecutive generated tokens.",
-            LABELS,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
+            "vllm:inter_token_latency_seconds",
+            # vLLM's older name for the same thing, still read by many dashboards
+            "vllm:time_per_output_token_seconds",
         )
-        self.e2e = Histogram(
-            "modelfleet_e2e_request_latency_seconds",
+        self.e2e = latency(
+            "e2e_request_latency_seconds",
             "Time from arrival to the last token.",
-            LABELS,
-            buckets=_E2E_BUCKETS,
+            _E2E_BUCKETS,
+            "vllm:e2e_request_latency_seconds",
+        )
+        self.prompt_tokens = _Both(
+            Counter("modelfleet_prompt_tokens", "Prompt tokens processed.", LABELS, registry=r),
+            Counter("vllm:prompt_tokens", "Prompt tokens processed.", VLLM_LABELS, registry=r),
+        )
+        self.generation_tokens = _Both(
+            Counter("modelfleet_generation_tokens", "Tokens generated.", LABELS, registry=r),
+            Counter("vllm:generation_tokens", "Tokens generated.", VLLM_LABELS, registry=r),
+        )
+        # Per request (all its prompts and choices), as vLLM's histograms of the same names.
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Prompt tokens of each request.",
+            VLLM_LABELS,
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
-            "modelfleet_prompt_tokens", "Prompt tokens processed.", LABELS, registry=r
-        )
-        self.generation_tokens = Counter(
-            "modelfleet_generation_tokens", "Tokens generated.", LABELS, registry=r
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens of each request.",
+            VLLM_LABELS,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.load_seconds = Histogram(
             "modelfleet_model_load_seconds",
