@@ -14,12 +14,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "controlplane",
         help="run the control plane: tenants, API keys, model registry, rollouts",
         description="Serve the control plane's REST API (/api/v1, OpenAPI at /docs). Settings come from "
-        "MODELFLEET_* variables (MODELFLEET_DATABASE_URL or DATABASE_URL, MODELFLEET_ADMIN_KEY, ...).",
+        "MODELFLEET_CONTROLPLANE_* variables (MODELFLEET_CONTROLPLANE_DATABASE_URL or DATABASE_URL, "
+        "MODELFLEET_CONTROLPLANE_ADMIN_KEY, ...).",
     )
     parser.add_argument(
-        "--host", default=None, help="address to listen on (default: MODELFLEET_HOST or 127.0.0.1)"
+        "--host",
+        default=None,
+        help="address to listen on (default: MODELFLEET_CONTROLPLANE_HOST or 127.0.0.1)",
     )
-    parser.add_argument("--port", type=int, default=None, help="port (default: MODELFLEET_PORT or 8080)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="port (default: MODELFLEET_CONTROLPLANE_PORT or 8080)"
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "--migrate-only",

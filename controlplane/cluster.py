@@ -51,7 +51,7 @@ class NoCluster:
     def describe(self) -> str:
         return (
             "no cluster configured: running as a registry only "
-            "(set KUBECONFIG or MODELFLEET_CLUSTER=kubernetes to write CRs)"
+            "(set KUBECONFIG or MODELFLEET_CONTROLPLANE_CLUSTER=kubernetes to write CRs)"
         )
 
     def apply_tenant(self, tenant: Tenant, usable_keys: list[str]) -> None:
@@ -311,6 +311,6 @@ def connect(settings: Settings) -> Cluster:
         where = "(in-cluster service account)"
     else:
         raise ClusterUnavailable(
-            "MODELFLEET_CLUSTER=kubernetes but no kubeconfig or in-cluster credentials found"
+            "MODELFLEET_CONTROLPLANE_CLUSTER=kubernetes but no kubeconfig or in-cluster credentials found"
         )
     return KubernetesCluster(DynamicStore(api_client), where=where)

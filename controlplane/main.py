@@ -18,7 +18,7 @@ from modelfleet.controlplane.api.main import api_router
 from modelfleet.controlplane.background import keep_expiring_keys, keep_migrating, try_migrate
 from modelfleet.controlplane.cluster import Cluster
 from modelfleet.controlplane.core import db, telemetry
-from modelfleet.controlplane.core.config import Settings
+from modelfleet.controlplane.core.config import PREFIX, Settings
 from modelfleet.controlplane.errors import ControlPlaneError
 from modelfleet.dataplane.observability import configure_logging
 from opentelemetry.trace import TracerProvider
@@ -111,7 +111,7 @@ def load_settings() -> Settings:
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "settings"
-        name = field if field.startswith("MODELFLEET_") else f"MODELFLEET_{field.upper()}"
+        name = field if field.startswith(PREFIX) else f"{PREFIX}{field.upper()}"
         message = first["msg"].removeprefix("Value error, ")
         raise SettingsError(message if message.startswith("MODELFLEET_") else f"{name}: {message}") from None
 

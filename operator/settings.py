@@ -24,44 +24,66 @@ class OperatorSettings(BaseSettings):
     operator_namespaces: str = Field(default="", description="comma-separated; empty: all namespaces")
     operator_metrics_port: int = Field(default=9090, ge=0, le=65535, description="0: no metrics server")
     operator_health_port: int = Field(default=8080, ge=0, le=65535, description="0: no liveness endpoint")
-    log_level: str = "info"
-    # A safety net: changes arrive as watch events. Each model's resync is a few GETs and no writes, so
-    # 1,000 models at 300 s cost about 3 reconciles a second.
+    log_level: str = Field(
+        default="info", description="the operator's log level (debug, info, warning, error)"
+    )
+    # 1,000 models at 300 s cost about 3 reconciles a second: each resync is a few GETs and no writes.
     resync_seconds: float = Field(
-        default=300.0, gt=0, description="re-reconcile of a model no other trigger reconciled meanwhile"
+        default=300.0,
+        gt=0,
+        description="re-reconcile of a model no other trigger reconciled meanwhile (a safety net: "
+        "changes arrive as watch events)",
     )
 
     rollout_tick_seconds: float = Field(
         default=10.0, gt=0, description="how often rollouts are checked (a step waits its interval)"
     )
-    rollout_scrape_timeout_seconds: float = Field(default=5.0, gt=0, description="per data-plane pod")
+    rollout_scrape_timeout_seconds: float = Field(
+        default=5.0, gt=0, description="timeout of a rollout's metrics scrape, per data-plane pod"
+    )
 
     # What goes into the pods the operator creates.
-    dataplane_image: str = "ghcr.io/modelfleet/modelfleet:0.1.0"
-    dataplane_image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")
+    dataplane_image: str = Field(
+        default="ghcr.io/modelfleet/modelfleet:0.1.0", description="image of the data-plane pods"
+    )
+    dataplane_image_pull_policy: str = Field(
+        default="IfNotPresent",
+        pattern="^(Always|IfNotPresent|Never)$",
+        description="imagePullPolicy of the data-plane and conversion containers",
+    )
     dataplane_image_pull_secrets: str = Field(default="", description="comma-separated Secret names")
     dataplane_api_keys_secret: str = Field(default="", description="Secret with the data plane's API keys")
-    dataplane_port: int = Field(default=8000, ge=1, le=65535)
+    dataplane_port: int = Field(default=8000, ge=1, le=65535, description="port the data-plane pods serve on")
     dataplane_termination_grace_seconds: int = Field(
         default=120, ge=1, description="long enough for the longest stream to finish"
     )
-    dataplane_otlp_endpoint: str = ""
-    # Whether the data-plane image carries TensorRT (and so serves TensorRT artifacts); off by default,
-    # as the image built from docker/dataplane.Dockerfile has none: TensorRT targets are then refused.
-    dataplane_tensorrt: bool = False
-    dataplane_cpu: str = "2"
-    dataplane_memory: str = "16Gi"
+    dataplane_otlp_endpoint: str = Field(
+        default="", description="OTEL_EXPORTER_OTLP_ENDPOINT of the data-plane pods; empty: no traces"
+    )
+    dataplane_tensorrt: bool = Field(
+        default=False,
+        description="the data-plane image carries TensorRT and so serves TensorRT artifacts; off: "
+        "TensorRT targets are refused (docker/dataplane.Dockerfile builds an image without it)",
+    )
+    dataplane_cpu: str = Field(default="2", description="CPU request of a data-plane pod")
+    dataplane_memory: str = Field(default="16Gi", description="memory request and limit of a data-plane pod")
 
     # The HorizontalPodAutoscaler (when replicas.max > replicas.min).
-    # The data plane's per-pod count of requests not yet started (admission and engine queues).
-    hpa_metric: str = Field(default="modelfleet_pod_requests_waiting", description="a per-pod metric")
+    hpa_metric: str = Field(
+        default="modelfleet_pod_requests_waiting",
+        description="a per-pod metric the autoscaler follows (the default: requests not yet started)",
+    )
     hpa_target_average: str = Field(default="4", description="target average of hpa_metric per pod")
 
     # Conversion Jobs.
-    conversion_backoff_limit: int = Field(default=2, ge=0, le=10)
-    conversion_deadline_seconds: int = Field(default=4 * 3600, ge=60)
-    conversion_cpu: str = "4"
-    conversion_memory: str = "32Gi"
+    conversion_backoff_limit: int = Field(
+        default=2, ge=0, le=10, description="retries of a failed conversion Job"
+    )
+    conversion_deadline_seconds: int = Field(
+        default=4 * 3600, ge=60, description="a conversion Job running longer is stopped"
+    )
+    conversion_cpu: str = Field(default="4", description="CPU request of a conversion Job")
+    conversion_memory: str = Field(default="32Gi", description="memory request and limit of a conversion Job")
     conversion_source_allow_hosts: str = Field(
         default="",
         description="http(s) source hosts conversion Jobs may fetch from (names, IPs, CIDRs; "
@@ -69,8 +91,10 @@ class OperatorSettings(BaseSettings):
     )
 
     # The model store: a PersistentVolumeClaim in each namespace, mounted at the same path everywhere.
-    model_store_claim: str = "modelfleet-models"
-    model_store_path: str = "/models"
+    model_store_claim: str = Field(
+        default="modelfleet-models", description="PersistentVolumeClaim of the model store, in each namespace"
+    )
+    model_store_path: str = Field(default="/models", description="where the model store is mounted in pods")
 
     @property
     def namespaces(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""Settings of the control plane: one pydantic-settings object, environment prefix MODELFLEET_."""
+"""Settings of the control plane: one pydantic-settings object, environment prefix MODELFLEET_CONTROLPLANE_
+(the data plane's are MODELFLEET_, so MODELFLEET_PORT never means two things)."""
 
 from __future__ import annotations
 
@@ -14,27 +15,45 @@ DEV_KEY_PEPPER = "modelfleet-development-pepper"
 MIN_SECRET_LENGTH = 24
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MODELFLEET_", extra="ignore", populate_by_name=True)
+PREFIX = "MODELFLEET_CONTROLPLANE_"
 
-    environment: Literal["development", "production"] = "development"
-    # Also read from the conventional DATABASE_URL; the prefixed name wins when both are set.
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", populate_by_name=True)
+
+    environment: Literal["development", "production"] = Field(
+        default="development",
+        description="production refuses the development admin key and pepper",
+    )
     database_url: str = Field(
         default="sqlite:///.modelfleet/controlplane.db",
-        validation_alias=AliasChoices("MODELFLEET_DATABASE_URL", "DATABASE_URL", "database_url"),
+        validation_alias=AliasChoices(f"{PREFIX}DATABASE_URL", "DATABASE_URL", "database_url"),
+        description="SQLAlchemy URL (SQLite or PostgreSQL); also read from DATABASE_URL, "
+        "this name winning when both are set",
     )
-    admin_key: SecretStr = SecretStr(DEV_ADMIN_KEY)
-    key_pepper: SecretStr = SecretStr(DEV_KEY_PEPPER)
-    # auto: Kubernetes when a kubeconfig or an in-cluster service account is found, registry-only otherwise.
-    cluster: Literal["auto", "kubernetes", "none"] = "auto"
+    admin_key: SecretStr = Field(
+        default=SecretStr(DEV_ADMIN_KEY), description="the admin's API key (Bearer token)"
+    )
+    key_pepper: SecretStr = Field(
+        default=SecretStr(DEV_KEY_PEPPER), description="secret mixed into the stored hashes of tenant keys"
+    )
+    cluster: Literal["auto", "kubernetes", "none"] = Field(
+        default="auto",
+        description="auto: Kubernetes when a kubeconfig or an in-cluster service account is found, "
+        "registry-only (none) otherwise",
+    )
     kubeconfig: str | None = Field(
-        default=None, validation_alias=AliasChoices("MODELFLEET_KUBECONFIG", "KUBECONFIG")
+        default=None,
+        validation_alias=AliasChoices(f"{PREFIX}KUBECONFIG", "KUBECONFIG"),
+        description="kubeconfig file; also read from KUBECONFIG",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(default=8080, ge=1, le=65535)
-    db_pool_size: int = Field(default=10, ge=1)
-    db_connect_timeout_s: int = Field(default=5, ge=1)
-    migrate_retry_s: float = Field(default=5.0, gt=0)
+    host: str = Field(default="127.0.0.1", description="address the API listens on")
+    port: int = Field(default=8080, ge=1, le=65535, description="port the API listens on")
+    db_pool_size: int = Field(default=10, ge=1, description="database connections kept open")
+    db_connect_timeout_s: int = Field(default=5, ge=1, description="seconds to wait for a connection")
+    migrate_retry_s: float = Field(
+        default=5.0, gt=0, description="while the database is unreachable at start, how often to retry"
+    )
     key_sync_interval_s: float = Field(default=60.0, gt=0, description="how often expired keys leave Secrets")
 
     @field_validator("database_url")
@@ -51,14 +70,14 @@ class Settings(BaseSettings):
         if self.environment == "development":
             return self
         for name, value, default in (
-            ("MODELFLEET_ADMIN_KEY", self.admin_key, DEV_ADMIN_KEY),
-            ("MODELFLEET_KEY_PEPPER", self.key_pepper, DEV_KEY_PEPPER),
+            (f"{PREFIX}ADMIN_KEY", self.admin_key, DEV_ADMIN_KEY),
+            (f"{PREFIX}KEY_PEPPER", self.key_pepper, DEV_KEY_PEPPER),
         ):
             secret = value.get_secret_value()
             if secret == default or len(secret) < MIN_SECRET_LENGTH:
                 raise ValueError(
                     f"{name}: set a random secret of at least {MIN_SECRET_LENGTH} characters "
-                    f"when MODELFLEET_ENVIRONMENT={self.environment}"
+                    f"when {PREFIX}ENVIRONMENT={self.environment}"
                 )
         return self
 

@@ -11,38 +11,55 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MODELFLEET_", extra="ignore")
 
-    host: str = "0.0.0.0"
-    port: int = Field(default=8000, ge=0, le=65535)
-    manifest: Path | None = None
+    host: str = Field(default="0.0.0.0", description="address the server listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port the server listens on")
+    manifest: Path | None = Field(
+        default=None, description="the serving manifest (models and versions) the server follows"
+    )
     manifest_poll_seconds: float = Field(
         default=1.0, gt=0, description="how often the manifest file is checked"
     )
 
-    # Model manager: bytes of loaded versions (weights + KV cache); 0 means no budget.
-    memory_budget_bytes: int = Field(default=0, ge=0)
+    # Model manager.
+    memory_budget_bytes: int = Field(
+        default=0, ge=0, description="bytes of loaded versions (weights + KV cache); 0 means no budget"
+    )
     idle_unload_seconds: float = Field(default=0.0, ge=0, description="0 keeps idle versions loaded")
     load_retry_seconds: float = Field(default=30.0, ge=0, description="how long a failed load is not retried")
 
-    # Auth and limits: a file of sha256 hex digests of the API keys, or JSON with per-key limits.
-    api_key_file: Path | None = None
+    # Auth and limits.
+    api_key_file: Path | None = Field(
+        default=None,
+        description="a file of sha256 hex digests of the API keys, or JSON with per-key limits; "
+        "none: every caller is accepted",
+    )
     default_tokens_per_minute: int = Field(default=0, ge=0, description="per key; 0 means unlimited")
     default_max_concurrent: int = Field(default=0, ge=0, description="per key; 0 means unlimited")
 
     # Admission, per loaded version: as many requests run as its engine runs sequences at once (the
-    # manifest's engine max_num_seqs); `max_running` > 0 lowers that. The rest wait, at most
-    # `max_waiting` in the whole server; past it, 429.
-    max_running: int = Field(default=0, ge=0, description="0: each engine's max_num_seqs")
-    max_waiting: int = Field(default=256, ge=0)
+    # manifest's engine max_num_seqs); the rest wait.
+    max_running: int = Field(
+        default=0,
+        ge=0,
+        description="requests running at once per version, at most its engine's max_num_seqs; "
+        "0: max_num_seqs",
+    )
+    max_waiting: int = Field(
+        default=256, ge=0, description="requests waiting in the whole server; past it, 429"
+    )
 
     # Request limits (the engine's max model length applies too).
     max_prompt_tokens: int = Field(default=0, ge=0, description="0 means the model's limit")
-    max_tokens_limit: int = Field(default=4096, ge=1)
-    max_n: int = Field(default=8, ge=1)
-    default_max_tokens: int = Field(default=16, ge=1)
-    max_logprobs: int = Field(default=20, ge=0)
+    max_tokens_limit: int = Field(default=4096, ge=1, description="the largest max_tokens a request may ask")
+    max_n: int = Field(default=8, ge=1, description="the largest n (choices) a request may ask")
+    default_max_tokens: int = Field(default=16, ge=1, description="max_tokens of a request that sets none")
+    max_logprobs: int = Field(default=20, ge=0, description="the most logprobs a request may ask")
 
-    # Shadow copies run in the background; past this many at once they are dropped, never queued.
-    max_shadow_in_flight: int = Field(default=16, ge=0)
+    max_shadow_in_flight: int = Field(
+        default=16,
+        ge=0,
+        description="shadow copies running at once in the background; past it they are dropped, never queued",
+    )
 
     # What a client may hold and for how long: no connection, body or admission place is held by a
     # client that is slow or gone. Bodies past the limit get 413 before they are read.

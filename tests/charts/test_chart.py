@@ -318,7 +318,7 @@ def test_generated_auth_secret_is_random_and_overridable() -> None:
     first, second = (by_kind(render(), "Secret")["mf-modelfleet-controlplane-auth"] for _ in range(2))
     assert first["data"]["admin-key"] != second["data"]["admin-key"]
     given = by_kind(render({"controlPlane": {"auth": {"existingSecret": "my-auth"}}}), "Deployment")
-    admin = container_env(given["mf-modelfleet-controlplane"])["MODELFLEET_ADMIN_KEY"]
+    admin = container_env(given["mf-modelfleet-controlplane"])["MODELFLEET_CONTROLPLANE_ADMIN_KEY"]
     assert admin == {"secretKeyRef": {"name": "my-auth", "key": "admin-key"}}
 
 
@@ -390,7 +390,8 @@ def test_env_names_are_settings_the_components_read(rendered) -> None:
 
     deployments = by_kind(rendered[("postgresql", "1.37.0")], "Deployment")
     for name, settings in (("operator", OperatorSettings), ("controlplane", Settings)):
-        read = {f"MODELFLEET_{field.upper()}" for field in settings.model_fields}
+        prefix = settings.model_config["env_prefix"]
+        read = {f"{prefix}{field.upper()}" for field in settings.model_fields}
         for field in settings.model_fields.values():
             aliases = getattr(field.validation_alias, "choices", [])
             read |= {alias for alias in aliases if isinstance(alias, str) and alias.isupper()}

@@ -31,23 +31,23 @@ from sqlalchemy import inspect
 
 
 def test_settings_refuse_default_secrets_outside_development(monkeypatch):
-    monkeypatch.setenv("MODELFLEET_ENVIRONMENT", "production")
-    with pytest.raises(ValidationError, match="MODELFLEET_ADMIN_KEY"):
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_ENVIRONMENT", "production")
+    with pytest.raises(ValidationError, match="MODELFLEET_CONTROLPLANE_ADMIN_KEY"):
         Settings()
-    monkeypatch.setenv("MODELFLEET_ADMIN_KEY", "a" * 32)
-    with pytest.raises(ValidationError, match="MODELFLEET_KEY_PEPPER"):
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_ADMIN_KEY", "a" * 32)
+    with pytest.raises(ValidationError, match="MODELFLEET_CONTROLPLANE_KEY_PEPPER"):
         Settings()
-    monkeypatch.setenv("MODELFLEET_KEY_PEPPER", "p" * 32)
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_KEY_PEPPER", "p" * 32)
     assert Settings().environment == "production"
-    monkeypatch.setenv("MODELFLEET_ENVIRONMENT", "development")
-    monkeypatch.delenv("MODELFLEET_ADMIN_KEY")
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_ENVIRONMENT", "development")
+    monkeypatch.delenv("MODELFLEET_CONTROLPLANE_ADMIN_KEY")
     assert Settings().admin_key.get_secret_value() == DEV_ADMIN_KEY
 
 
 def test_settings_read_database_url_with_or_without_prefix(monkeypatch):
     monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/fleet")
     assert Settings().database_url == "postgresql+psycopg://u:p@db:5432/fleet"
-    monkeypatch.setenv("MODELFLEET_DATABASE_URL", "sqlite:///x.db")
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_DATABASE_URL", "sqlite:///x.db")
     assert Settings().database_url == "sqlite:///x.db"
 
 
@@ -201,17 +201,17 @@ def run_command(*argv: str) -> int:
 
 
 def test_command_refuses_default_secrets_in_production_with_one_line(monkeypatch, capsys):
-    monkeypatch.setenv("MODELFLEET_ENVIRONMENT", "production")
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_ENVIRONMENT", "production")
     assert run_command("--migrate-only") == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "error: MODELFLEET_ADMIN_KEY: set a random secret of at least 24 characters "
-        "when MODELFLEET_ENVIRONMENT=production"
+        "error: MODELFLEET_CONTROLPLANE_ADMIN_KEY: set a random secret of at least 24 characters "
+        "when MODELFLEET_CONTROLPLANE_ENVIRONMENT=production"
     ]
 
 
 def test_command_migrates_a_sqlite_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path}/cli.db")
-    monkeypatch.setenv("MODELFLEET_CLUSTER", "none")
+    monkeypatch.setenv("MODELFLEET_CONTROLPLANE_CLUSTER", "none")
     assert run_command("--migrate-only", "--log-level", "warning") == 0
     assert "schema at head" in capsys.readouterr().err
     assert (tmp_path / "cli.db").stat().st_size > 0
