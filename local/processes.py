@@ -17,8 +17,11 @@ import psutil
 
 
 def argv(container: dict[str, Any], rewrite: Any = lambda s: s) -> list[str]:
-    """command + args, with `modelfleet` run as this Python's module (the image's entry point)."""
-    words = [rewrite(str(w)) for w in [*container.get("command", []), *container.get("args", [])]]
+    """command + args, with `modelfleet` run as this Python's module (the image's entry point). The
+    program is this machine's (the image's stands for it) so only what follows it is mapped: a program
+    path that happens to lie under a mount path (a venv under /tmp) stays as it is."""
+    words = [str(w) for w in [*container.get("command", []), *container.get("args", [])]]
+    words = words[:1] + [rewrite(w) for w in words[1:]]
     if not words:
         raise ValueError(f"container {container.get('name')!r} has no command; the local fleet needs one")
     if words[0] == "modelfleet":

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from local_fleet import wait_for
+from modelfleet.local import processes
 from modelfleet.local.columns import evaluate, table
 from modelfleet.local.jobs import JobController
 from modelfleet.local.mounts import Mounts, container_env
@@ -295,3 +296,10 @@ def test_events_are_listed_per_object_as_the_api_lists_them():
     (event,) = kube.list_events("default", "Job", "j", job["metadata"]["uid"])
     assert (event["reason"], event["involvedObject"]["uid"]) == ("FailedCreate", job["metadata"]["uid"])
     assert kube.list_events("default", "Job", "j", "another-uid") == []
+
+
+def test_the_program_is_this_machines_and_only_what_follows_it_is_mapped():
+    mounts = Mounts({"/tmp": Path("/pods/j/volumes/tmp")})
+    container = {"name": "c", "command": ["/tmp/venv/bin/python", "/tmp/input.json"], "args": ["--out=/x"]}
+    words = processes.argv(container, mounts.path)
+    assert words == ["/tmp/venv/bin/python", "/pods/j/volumes/tmp/input.json", "--out=/x"]
