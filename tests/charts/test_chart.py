@@ -8,6 +8,7 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from modelfleet.dataplane.observability import LOG_FORMAT_ENV
 from modelfleet.operator.api import InferenceModelSpec
 from modelfleet.operator.reconcile import serving
 from modelfleet.operator.settings import OperatorSettings
@@ -43,6 +44,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "postgresql": {
         "database": {"type": "postgresql", "postgresql": {"existingSecret": "modelfleet-db"}},
         "controlPlane": {"replicas": 3},
+        "logFormat": "json",
     },
     "postgresql-url": {
         "database": {"type": "postgresql", "postgresql": {"url": "postgresql://mf:pw@db.example:5432/mf"}},
@@ -78,6 +80,7 @@ BAD_VALUES = {
     "root-user": ({"podSecurityContext": {"runAsNonRoot": False}}, "/podSecurityContext/runAsNonRoot"),
     "short-admin-key": ({"controlPlane": {"auth": {"adminKey": "short"}}}, "/controlPlane/auth/adminKey"),
     "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
+    "bad-log-format": ({"logFormat": "yaml"}, "/logFormat"),
 }
 
 
@@ -397,7 +400,8 @@ def test_env_names_are_settings_the_components_read(rendered) -> None:
             read |= {alias for alias in aliases if isinstance(alias, str) and alias.isupper()}
         env = container_env(deployments[f"mf-modelfleet-{name}"])
         ours = {key for key in env if key.startswith("MODELFLEET_") or key == "DATABASE_URL"}
-        assert ours - read == set(), f"{name}: variables its settings do not read"
+        assert ours - read - {LOG_FORMAT_ENV} == set(), f"{name}: variables its settings do not read"
+        assert env[LOG_FORMAT_ENV] == "json"
     operator_env = container_env(deployments["mf-modelfleet-operator"])
     assert operator_env["MODELFLEET_DATAPLANE_API_KEYS_SECRET"] == resources.KEYS_SECRET
     operator = {f"MODELFLEET_{field.upper()}" for field in OperatorSettings.model_fields}
