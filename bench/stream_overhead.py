@@ -30,14 +30,16 @@ VOCAB = 1000
 
 
 def stand_in_engine(folder: str, step_s: float):
+    from modelfleet.dataplane.engine.messages import Add
     from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+    from modelfleet.dataplane.engine.protocol import EngineLimits
     from modelfleet.dataplane.engine.threaded import ThreadedEngine
     from transformers import AutoTokenizer
 
     class StandInEngine(ThreadedEngine):
         """Each running request gets one token (" t<n>") per step; no model."""
 
-        max_model_len = 4096
+        limits = EngineLimits(max_num_seqs=1024, max_model_len=4096, vocab_size=VOCAB)
 
         def __init__(self) -> None:
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -48,9 +50,6 @@ def stand_in_engine(folder: str, step_s: float):
         def validate(self, prompt, params):
             return list(prompt), params
 
-        def _add_command(self, request_id, prompt, priority, validated):
-            return ("add", request_id, validated)
-
         def stats(self) -> EngineStats:
             return EngineStats(len(self._running), 0, 0.0, 0.0, 1, 1)
 
@@ -59,11 +58,11 @@ def stand_in_engine(folder: str, step_s: float):
                 started = time.perf_counter()
                 while self._commands:
                     command = self._commands.popleft()
-                    if command[0] == "add":
-                        (ids, params) = command[2]
-                        self._running[command[1]] = (ids, params.max_tokens, [])
+                    if isinstance(command, Add):
+                        (ids, params) = command.validated
+                        self._running[command.request_id] = (ids, params.max_tokens, [])
                     else:
-                        self._running.pop(command[1], None)
+                        self._running.pop(command.request_id, None)
                 for request_id, (ids, max_tokens, out) in list(self._running.items()):
                     token = len(out) + 1
                     out.append(token)
@@ -92,7 +91,6 @@ def serve(port: int, step_ms: float) -> None:
     folder = tempfile.mkdtemp(prefix="stand-in-")
     write_word_tokenizer(folder, VOCAB)
     manifest = single_model_manifest(folder, name="bench")
-    manifest.models[0].engine["max_num_seqs"] = 1024  # the server admits what the engine says it runs
     app = build_app(
         ServerSettings(max_tokens_limit=100_000),
         manifest,

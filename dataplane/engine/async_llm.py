@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.engine.llm_engine import LLMEngine, Prompt
+from modelfleet.dataplane.engine.messages import Abort, Add
 from modelfleet.dataplane.engine.outputs import EngineStats
+from modelfleet.dataplane.engine.protocol import EngineLimits
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.sampling_params import SamplingParams
 
@@ -32,13 +34,13 @@ class AsyncLLM(ThreadedEngine):
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def limits(self) -> EngineLimits:
+        engine = self.engine
+        return EngineLimits(engine.config.max_num_seqs, engine.max_model_len, engine.vocab_size)
+
     def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         return self.engine.validate(prompt, params)
-
-    def _add_command(
-        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
-    ) -> tuple:
-        return ("add", request_id, prompt, priority, validated)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -71,18 +73,20 @@ class AsyncLLM(ThreadedEngine):
     def _apply_commands(self) -> None:
         while self._commands:
             command = self._commands.popleft()
-            if command[0] == "add":
-                _, request_id, prompt, priority, validated = command
+            if isinstance(command, Add):
+                request_id = command.request_id
                 if request_id not in self._streams:
                     continue  # cancelled before it was added
                 try:
-                    self.engine.add_request(request_id, prompt, priority=priority, validated=validated)
+                    self.engine.add_request(
+                        request_id, command.prompt, priority=command.priority, validated=command.validated
+                    )
                 except ValueError as exc:
                     self._deliver(request_id, exc)
-            else:
-                output = self.engine.abort(command[1])
+            elif isinstance(command, Abort):
+                output = self.engine.abort(command.request_id)
                 if output is not None:
-                    self._deliver(command[1], output)
+                    self._deliver(command.request_id, output)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):

@@ -5,13 +5,13 @@ token of every stream costs the event loop tens of microseconds of Python, the e
 the lock behind it, and the GPU idles. Here the engine steps in a child process (spawned: CUDA cannot
 be forked) and the caller's process only checks requests, tokenizes and serves.
 
-Parent and child talk over one pipe. Parent -> child: ("add", request_id, priority, (token_ids, params)),
-("abort", request_id), ("close",). Child -> parent: ("ready", info), ("outputs", [RequestOutput], stats),
-("refused", request_id, message), ("failed", message) when a step raised, ("error", message) when the
-engine could not be built, ("fatal", message) just before it exits because it can step no more (a
-tensor-parallel rank died). A reader thread in the parent delivers outputs to the requests' streams; if
-the child dies, every open stream ends with an error and `failure` says why, so that the owner (the
-server's model manager) starts a new engine.
+Parent and child talk over one pipe, in the messages of messages.py. Parent -> child: `Add` (the token
+ids and checked parameters), `Abort`, `Close`. Child -> parent: `Ready` (the engine's limits),
+`Outputs` (with the stats as of that step), `Refused` (one request), `StepFailed` when a step raised,
+`StartFailed` when the engine could not be built, `Fatal` just before it exits because it can step no
+more (a tensor-parallel rank died). A reader thread in the parent delivers outputs to the requests'
+streams; if the child dies, every open stream ends with an error and `failure` says why, so that the
+owner (the server's model manager) starts a new engine.
 """
 
 from __future__ import annotations
@@ -27,8 +27,23 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from modelfleet.dataplane.engine.llm_engine import Prompt, PromptChecks
+from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.engine.llm_engine import LLMEngine, Prompt, PromptChecks
+from modelfleet.dataplane.engine.messages import (
+    Abort,
+    Add,
+    Close,
+    Command,
+    Fatal,
+    Outputs,
+    Ready,
+    Refused,
+    Reply,
+    StartFailed,
+    StepFailed,
+)
 from modelfleet.dataplane.engine.outputs import EngineStats
+from modelfleet.dataplane.engine.protocol import EngineLimits
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.sampling_params import SamplingParams
 
@@ -41,7 +56,6 @@ class EngineProcessError(RuntimeError):
 
 class AsyncLLMProcess(PromptChecks, ThreadedEngine):
     def __init__(self, model: str | Path, **engine_config: Any) -> None:
-        from modelfleet.dataplane.config import EngineConfig
         from modelfleet.dataplane.engine.llm_engine import load_tokenizer
         from transformers import AutoTokenizer
 
@@ -53,13 +67,14 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         )
         self._process.start()
         child_conn.close()
-        kind, info = self._receive_start()
-        if kind != "ready":
+        ready = self._receive_start()
+        if not isinstance(ready, Ready):
             self._process.join(timeout=30)
-            raise EngineProcessError(f"the engine process could not start: {info}")
-        self.max_model_len: int = info["max_model_len"]
-        self.vocab_size: int = info["vocab_size"]
-        self._stats: EngineStats = info["stats"]
+            raise EngineProcessError(f"the engine process could not start: {ready.message}")
+        self._limits = ready.limits
+        self.max_model_len: int = ready.limits.max_model_len
+        self.vocab_size: int = ready.limits.vocab_size
+        self._stats: EngineStats = ready.stats
         self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         self._tokenizer_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -69,11 +84,16 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         gc.collect()
         gc.freeze()
 
-    def _receive_start(self) -> tuple[str, Any]:
+    def _receive_start(self) -> Ready | StartFailed:
         try:
-            return self._conn.recv()
+            reply = self._conn.recv()
         except EOFError:
-            return "error", f"it exited with code {self._process.exitcode} before it was ready"
+            return StartFailed(f"it exited with code {self._process.exitcode} before it was ready")
+        return reply if isinstance(reply, Ready | StartFailed) else StartFailed(f"it sent {reply!r} first")
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
 
     def stats(self) -> EngineStats:
         """As of the engine's latest step."""
@@ -81,17 +101,19 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
 
     def _add_command(
         self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
-    ) -> tuple:
-        return ("add", request_id, priority, validated)
+    ) -> Add:
+        # The child needs the token ids alone: a prompt text stays here.
+        return Add(request_id, validated[0], priority, validated)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         # Straight to the child: no thread of this process has to wake for it.
         try:
             with self._send_lock:
                 self._conn.send(command)
         except (OSError, ValueError):  # the child is gone: the reader thread fails the open streams
-            if command[0] == "add":  # and this one may have opened after it did
-                self._deliver(command[1], EngineProcessError(self.failure or "the engine process stopped"))
+            if isinstance(command, Add):  # and this one may have opened after it did
+                stopped = EngineProcessError(self.failure or "the engine process stopped")
+                self._deliver(command.request_id, stopped)
 
     def _run(self) -> None:
         """Reader thread: the child's messages to the requests' streams."""
@@ -101,18 +123,17 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "outputs":
-                _, outputs, self._stats = message
-                for output in outputs:
+            if isinstance(message, Outputs):
+                self._stats = message.stats
+                for output in message.outputs:
                     self._deliver(output.request_id, output)
-            elif kind == "refused":
-                self._deliver(message[1], ValueError(message[2]))
-            elif kind == "failed":
-                logger.error("engine step failed: %s", message[1])
-                self._fail_all(RuntimeError(f"engine step failed: {message[1]}"))
-            elif kind == "fatal":
-                fatal = message[1]
+            elif isinstance(message, Refused):
+                self._deliver(message.request_id, ValueError(message.message))
+            elif isinstance(message, StepFailed):
+                logger.error("engine step failed: %s", message.message)
+                self._fail_all(RuntimeError(f"engine step failed: {message.message}"))
+            elif isinstance(message, Fatal):
+                fatal = message.message
         if not self._closed:
             self._process.join(timeout=5)  # for its exit code
             self.failure = f"the engine process exited (code {self._process.exitcode})"
@@ -132,7 +153,7 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
 
     def close(self) -> None:
         self._closed = True
-        self._submit(("close",))
+        self._submit(Close())
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
@@ -141,35 +162,41 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         self._thread.join(timeout=30)
 
 
-def run_engine_process(conn: Connection, config: Any) -> None:
+def run_engine_process(conn: Connection, config: EngineConfig) -> None:
     """The child's main: build the engine, then step it, applying commands between steps."""
-    from modelfleet.dataplane.engine.llm_engine import LLMEngine
     from modelfleet.dataplane.observability import configure_logging
 
     configure_logging(logging.WARNING)
     try:
         engine = LLMEngine(config)
     except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(StartFailed(f"{type(exc).__name__}: {exc}"))
         return
-    conn = _LockedConnection(conn)  # the tensor-parallel monitor thread sends too
+    locked = _LockedConnection(conn)  # the tensor-parallel monitor thread sends too
     # A dead rank may leave this process waiting in a collective for good: say why, and exit.
-    engine.set_failure_hook(functools.partial(_exit_fatal, conn))
-    info = {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size}
-    conn.send(("ready", {**info, "stats": engine.stats()}))
+    engine.set_failure_hook(functools.partial(_exit_fatal, locked))
+    limits = EngineLimits(config.max_num_seqs, engine.max_model_len, engine.model_config.vocab_size)
+    locked.send(Ready(limits, engine.stats()))
     with contextlib.suppress(EOFError, OSError):  # the parent is gone
-        _serve(conn, engine)
+        _serve(locked, engine)
     engine.close()
 
 
 class _LockedConnection:
+    """The child's end of the pipe: commands in, replies out (sent from two threads)."""
+
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self.recv = conn.recv
-        self.poll = conn.poll
 
-    def send(self, message: tuple) -> None:
+    def recv(self) -> Command:
+        command: Command = self._conn.recv()
+        return command
+
+    def poll(self) -> bool:
+        return self._conn.poll()
+
+    def send(self, message: Reply) -> None:
         with self._lock:
             self._conn.send(message)
 
@@ -177,11 +204,11 @@ class _LockedConnection:
 def _exit_fatal(conn: _LockedConnection, reason: str) -> None:
     logging.getLogger(__name__).error("the engine can step no more: %s", reason)
     with contextlib.suppress(OSError, ValueError):
-        conn.send(("fatal", reason))
+        conn.send(Fatal(reason))
     os._exit(1)
 
 
-def _serve(conn: Connection, engine: Any) -> None:
+def _serve(conn: _LockedConnection, engine: LLMEngine) -> None:
     while True:
         # Idle: wait for a command. Busy: take what has arrived, then step.
         if not engine.has_unfinished_requests() and not _apply(conn.recv(), conn, engine):
@@ -197,27 +224,27 @@ def _serve(conn: Connection, engine: Any) -> None:
             logging.getLogger(__name__).exception("engine step failed")
             for request_id in list(engine.scheduler.requests):
                 engine.abort(request_id)
-            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            conn.send(StepFailed(f"{type(exc).__name__}: {exc}"))
             if engine.failure is not None:
                 _exit_fatal(conn, engine.failure)
             continue
         if outputs:
-            conn.send(("outputs", outputs, engine.stats()))
+            conn.send(Outputs(outputs, engine.stats()))
 
 
-def _apply(command: tuple, conn: Connection, engine: Any) -> bool:
-    """Applies one command; False for "close"."""
-    kind = command[0]
-    if kind == "add":
-        _, request_id, priority, validated = command
+def _apply(command: Command, conn: _LockedConnection, engine: LLMEngine) -> bool:
+    """Applies one command; False for `Close`."""
+    if isinstance(command, Add):
         try:
-            engine.add_request(request_id, validated[0], priority=priority, validated=validated)
+            engine.add_request(
+                command.request_id, command.prompt, priority=command.priority, validated=command.validated
+            )
         except ValueError as exc:
-            conn.send(("refused", request_id, str(exc)))
-    elif kind == "abort":
-        output = engine.abort(command[1])
+            conn.send(Refused(command.request_id, str(exc)))
+    elif isinstance(command, Abort):
+        output = engine.abort(command.request_id)
         if output is not None:
-            conn.send(("outputs", [output], engine.stats()))
-    elif kind == "close":
+            conn.send(Outputs([output], engine.stats()))
+    elif isinstance(command, Close):
         return False
     return True

@@ -1,7 +1,7 @@
 """The caller's side of an engine that runs on its own thread: commands go to the thread through a
 deque, outputs come back through one asyncio queue per request. AsyncLLM (the engine on a thread, for
 every artifact format) and AsyncLLMProcess (its reader of an engine process) share it; each supplies its
-checks, its "add" command and its thread loop."""
+checks, its limits, its "add" command and its thread loop. Both are an `Engine` (protocol.py)."""
 
 from __future__ import annotations
 
@@ -12,21 +12,29 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Generator
+from typing import Any
 
 from modelfleet.dataplane.engine.llm_engine import Prompt
-from modelfleet.dataplane.engine.outputs import RequestOutput
+from modelfleet.dataplane.engine.messages import Abort, Add, Command
+from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.protocol import EngineLimits, FailureHook
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 
 class Done:
     """An already-finished awaitable, so that `abort()` works with and without `await`."""
 
-    def __await__(self):
+    def __await__(self) -> Generator[Any, None, None]:
         return iter(())
 
 
-async def stream_outputs(queue: asyncio.Queue, abandon: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+Item = RequestOutput | BaseException  # what the thread hands a request's stream
+
+
+async def stream_outputs(
+    queue: asyncio.Queue[Item], abandon: Callable[[], None]
+) -> AsyncGenerator[RequestOutput, None]:
     """A request's outputs as the engine thread queues them, up to the finished one (an exception queued
     instead is raised). Outputs that piled up while the consumer was busy come as one: a server that
     falls behind sends several tokens per chunk and catches up, instead of paying its per-chunk cost
@@ -59,12 +67,12 @@ class ThreadedEngine(ABC):
     # Why this engine can no longer serve (its process died), or None; its owner then starts a new one.
     failure: str | None = None
     # Called with `failure` once it is set, from the engine's own thread.
-    on_failure: Callable[[str], None] | None = None
+    on_failure: FailureHook | None = None
 
     def _start(self, thread_name: str) -> None:
-        self._commands: deque[tuple] = deque()
+        self._commands: deque[Command] = deque()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Item]]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
@@ -73,11 +81,20 @@ class ThreadedEngine(ABC):
     def validate(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """The request's checks, on the caller's side: a request refused here never reaches the thread."""
 
+    @property
     @abstractmethod
+    def limits(self) -> EngineLimits:
+        """What the engine runs with, once built."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Engine-wide statistics, as of the latest step."""
+
     def _add_command(
         self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
-    ) -> tuple:
-        """The "add" command the thread's loop understands."""
+    ) -> Add:
+        """The "add" command the thread's loop gets."""
+        return Add(request_id, prompt, priority, validated)
 
     @abstractmethod
     def _run(self) -> None:
@@ -89,7 +106,7 @@ class ThreadedEngine(ABC):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs; the last has finished=True. Closing the iterator aborts."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
@@ -101,11 +118,11 @@ class ThreadedEngine(ABC):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._submit(self._add_command(request_id, prompt, priority, validated))
         try:
-            abandon = functools.partial(self._submit, ("abort", request_id))
+            abandon = functools.partial(self._submit, Abort(request_id))
             async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
                 async for output in outputs:
                     yield output
@@ -114,7 +131,7 @@ class ThreadedEngine(ABC):
 
     def abort(self, request_id: str) -> Done:
         """Ends the request before its next step; its stream ends with finish_reason "abort"."""
-        self._submit(("abort", request_id))
+        self._submit(Abort(request_id))
         return Done()
 
     def close(self) -> None:
@@ -122,11 +139,11 @@ class ThreadedEngine(ABC):
         self._wake.set()
         self._thread.join(timeout=30)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         self._commands.append(command)
         self._wake.set()
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: Item) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
