@@ -142,7 +142,7 @@ def test_a_stream_nobody_reads_is_aborted_and_frees_its_places(server: GuardedSe
     sock = connect(server, rcvbuf=2048)
     sock.sendall(head("POST", "/v1/completions", length=len(body), key=KEY) + body)
     gate = server.dataplane.admission
-    assert wait_until(lambda: gate.running == 8, 10)  # a place per sequence
+    assert wait_until(lambda: gate.running == 8, 30)  # a place per sequence
     assert wait_until(lambda: gate.running == 0, 20), "the unread stream still holds its place"
     assert server.metric("modelfleet_client_timeouts_total", reason="send") == before + 1
     assert wait_until(lambda: engine.stats().num_running == 0, 5)
@@ -181,7 +181,7 @@ def test_a_websocket_nobody_reads_is_closed_and_frees_its_places(server: Guarded
     payload = bytes(b ^ mask[i % 4] for i, b in enumerate(request))
     sock.sendall(b"\x81" + bytes([0x80 | 126]) + len(request).to_bytes(2, "big") + mask + payload)
     gate = server.dataplane.admission
-    assert wait_until(lambda: gate.running == 8, 10)
+    assert wait_until(lambda: gate.running == 8, 30)
     assert wait_until(lambda: gate.running == 0, 20), "the unread socket still holds its places"
     assert server.metric("modelfleet_client_timeouts_total", reason="send") == before + 1
     assert wait_until(lambda: engine.stats().num_running == 0, 5)
