@@ -48,7 +48,6 @@ HARMLESS_FIELDS = frozenset(
         "metadata",  # the client's own tags
         "store",  # OpenAI keeps the answer for its dashboard; nothing is kept here
         "service_tier",  # a billing and latency class
-        "parallel_tool_calls",  # only means something with `tools`, which are refused
         "prompt_cache_key",  # a routing hint for OpenAI's prompt cache
         "safety_identifier",  # an end-user id for abuse reports
     }
@@ -168,14 +167,57 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # OpenAI's strict mode guarantees the schema: that needs constrained decoding, so it is refused.
+    strict: Literal[False] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
-    # Without tools, "none" is what every answer already is; any other choice needs tools.
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    # "auto" (the default with tools) or "none". "required" and a named function need decoding
+    # constrained to a call, which this server does not do yet: refused, not silently treated as "auto".
+    tool_choice: Literal["none", "auto"] | None = None
+    # Several calls in one answer are parsed whatever this says; without tools it means nothing.
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _supported_choice(cls, value: Any) -> Any:
+        if value == "required" or isinstance(value, dict):
+            raise ValueError(
+                f"{value!r} is not supported (it needs constrained decoding); send 'auto' or 'none'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _unique_tool_names(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(names) != len(set(names)):
+            raise ValueError("tools: function names must be unique")
+        return self
+
+    def offered_tools(self) -> set[str]:
+        """Names of the functions the model may call in this answer (none with tool_choice 'none')."""
+        if self.tool_choice == "none":
+            return set()
+        return {t.function.name for t in self.tools or ()}
 
 
 class Usage(BaseModel):
@@ -221,9 +263,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -242,9 +296,17 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

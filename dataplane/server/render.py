@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +25,14 @@ from modelfleet.dataplane.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
     new_id,
 )
+from modelfleet.dataplane.server.tools import ToolCall, ToolStream, parse_tool_calls
 
 
 @dataclass
@@ -80,12 +86,16 @@ class Renderer:
         )
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list, *, add_generation_prompt: bool = True) -> list[int]:
-    """The messages through the model's own chat template, as token ids; 400 if the template refuses."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt_ids(
+    tokenizer: Any, messages: list, *, add_generation_prompt: bool = True, tools: list | None = None
+) -> list[int]:
+    """The messages (and the tools offered) through the model's own chat template, as token ids; 400 if
+    the template refuses."""
+    plain = [_template_message(m) for m in messages]
+    extra = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
     try:
         encoded = tokenizer.apply_chat_template(
-            plain, add_generation_prompt=add_generation_prompt, tokenize=True
+            plain, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
         )
     except Exception as exc:  # a template that rejects the conversation (e.g. roles out of order)
         raise BadRequest(
@@ -93,6 +103,32 @@ def chat_prompt_ids(tokenizer: Any, messages: list, *, add_generation_prompt: bo
         ) from None
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return list(ids)
+
+
+def _template_message(message: Any) -> dict[str, Any]:
+    """A message as chat templates read it: earlier tool calls (arguments as objects, which templates
+    print with `tojson`) and tool results keep their fields."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    extra = message.model_extra or {}
+    for key in ("name", "tool_call_id"):
+        if isinstance(extra.get(key), str):
+            out[key] = extra[key]
+    calls = extra.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [_template_call(c) for c in calls]
+    return out
+
+
+def _template_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise BadRequest("messages: each of tool_calls needs a `function`", param="messages")
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        # not JSON: the template gets the text as it was sent
+        with contextlib.suppress(json.JSONDecodeError):
+            function["arguments"] = json.loads(arguments)
+    return {**call, "function": function}
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
@@ -191,8 +227,14 @@ class ChatRenderer(Renderer):
     id_prefix = "chatcmpl"
     request: ChatCompletionRequest
 
+    def __init__(self, request: Any) -> None:
+        super().__init__(request)
+        self.tool_names = request.offered_tools()
+        self.tool_streams: dict[int, ToolStream] = {}
+
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
-        ids = chat_prompt_ids(tokenizer, self.request.messages)
+        tools = self.request.tools if self.tool_names else None
+        ids = chat_prompt_ids(tokenizer, self.request.messages, tools=tools)
         self.num_prompt_tokens = len(ids)
         return [ids]
 
@@ -220,21 +262,25 @@ class ChatRenderer(Renderer):
         return ChatLogprobs(content=content)
 
     def response(self, tokenizer: Any) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(content=c.text),
-                logprobs=self._logprobs(tokenizer, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
-            )
-            for i, c in sorted(self.choices.items())
-        ]
+        choices = [self._choice(i, c, tokenizer) for i, c in sorted(self.choices.items())]
         return ChatCompletionResponse(
             id=self.response_id,
             created=self.created,
             model=self.request.model,
             choices=choices,
             usage=self.usage(),
+        )
+
+    def _choice(self, index: int, choice: _Choice, tokenizer: Any) -> ChatChoice:
+        content: str | None = choice.text
+        calls: list[ToolCall] = []
+        if self.tool_names:
+            content, calls = parse_tool_calls(choice.text, self.tool_names)
+        return ChatChoice(
+            index=index,
+            message=AssistantMessage(content=content, tool_calls=_calls_out(calls) or None),
+            logprobs=self._logprobs(tokenizer, choice.token_ids, choice.logprobs),
+            finish_reason=_finish_reason(choice.finish_reason, calls),
         )
 
     def opening_chunks(self) -> list[ChatCompletionChunk]:
@@ -251,16 +297,27 @@ class ChatRenderer(Renderer):
 
     def chunk(self, event: ChoiceEvent, tokenizer: Any) -> ChatCompletionChunk:
         logprobs = self._logprobs(tokenizer, event.new_token_ids, event.logprobs or ())
+        delta, finish_reason = ChatDelta(content=event.new_text), event.finish_reason
+        if self.tool_names:
+            # Text that may start a tool call is held back until the choice ends and shows what it is.
+            stream = self.tool_streams.setdefault(event.index, ToolStream(self.tool_names))
+            delta.content = stream.feed(event.new_text)
+            if event.finish_reason:
+                rest, calls = stream.finish()
+                delta.content += rest
+                finish_reason = _finish_reason(event.finish_reason, calls)
+                if calls:
+                    delta.tool_calls = [
+                        ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
+                        for i, c in enumerate(_calls_out(calls))
+                    ]
         return ChatCompletionChunk(
             id=self.response_id,
             created=self.created,
             model=self.request.model,
             choices=[
                 ChatChunkChoice(
-                    index=event.index,
-                    delta=ChatDelta(content=event.new_text),
-                    logprobs=logprobs,
-                    finish_reason=event.finish_reason,
+                    index=event.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
                 )
             ],
         )
@@ -273,3 +330,12 @@ class ChatRenderer(Renderer):
             choices=[],
             usage=self.usage(),
         )
+
+
+def _calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def _finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    # An answer that ends in calls finished to call them ("stop" from the engine: the model was done).
+    return "tool_calls" if calls and reason == "stop" else reason

@@ -33,13 +33,18 @@ def model_yaml(name: str, *versions: str) -> str:
 
 class LiveServer:
     def __init__(
-        self, settings: ServerSettings, manifest: ServingManifest, *, manifest_path: Path | None = None
+        self,
+        settings: ServerSettings,
+        manifest: ServingManifest,
+        *,
+        manifest_path: Path | None = None,
+        **app_options,  # e.g. loader=: a stand-in engine for paths a tiny model cannot be made to take
     ):
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.app = build_app(
-            settings, manifest, manifest_path=manifest_path, tracer=provider.get_tracer("test")
+            settings, manifest, manifest_path=manifest_path, tracer=provider.get_tracer("test"), **app_options
         )
         self.dataplane: DataPlane = self.app.state.dataplane
         self.manifest_path = manifest_path
