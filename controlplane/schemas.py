@@ -148,7 +148,7 @@ class ApiKeyCreated(ApiKeyPublic):
 
 class Hardware(Strict):
     accelerator: Accelerator = "cpu"
-    count: int = Field(default=1, ge=1, le=16, description="devices per replica (ignored for cpu)")
+    count: int = Field(default=1, ge=1, le=16, description="devices per replica (on cpu: engine processes)")
 
 
 class Replicas(Strict):

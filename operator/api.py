@@ -102,9 +102,9 @@ class Hardware(_Model):
         ge=1,
         le=16,
         description=(
-            "Devices per replica (ignored for cpu). More than one splits each version's model over them "
-            "(tensor parallelism: the engine's tensor_parallel_size); it must divide the model's "
-            "attention heads."
+            "Devices per replica (on cpu: engine processes). More than one splits each version's model "
+            "over them (tensor parallelism: the engine's tensor_parallel_size); it must divide the "
+            "model's attention heads."
         ),
     )
     node_selector: dict[str, Annotated[str, Field(max_length=63)]] = Field(

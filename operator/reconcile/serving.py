@@ -35,8 +35,9 @@ def engine_settings(spec: InferenceModelSpec) -> dict[str, Any]:
         engine["max_model_len"] = spec.engine.max_model_len
     if spec.engine.kv_cache_bytes is not None:
         engine["kv_cache_bytes"] = spec.engine.kv_cache_bytes
-    if hardware(spec.hardware.accelerator).resource_name and spec.hardware.count > 1:
-        # One model split over the pod's devices (it requests that many); one device needs no setting.
+    if spec.hardware.count > 1:
+        # One model split over the pod's devices (it requests that many), or on cpu over that many engine
+        # processes (gloo); one device needs no setting.
         engine["tensor_parallel_size"] = spec.hardware.count
     return engine
 

@@ -23,8 +23,11 @@ def test_several_gpus_split_the_model(example_objects, count):
     assert set(settings) <= {f.name for f in EngineConfig.__dataclass_fields__.values()}
 
 
-def test_one_gpu_or_the_cpu_adds_no_setting(example_objects):
-    """A manifest of one device stays as it was (no reload of every served model on upgrade); the
-    CPU ignores hardware.count."""
+def test_one_device_adds_no_setting(example_objects):
+    """A manifest of one device stays as it was (no reload of every served model on upgrade)."""
     assert "tensor_parallel_size" not in settings_for(example_objects["chat"], "nvidia-h100", 1)
-    assert "tensor_parallel_size" not in settings_for(example_objects["chat"], "cpu", 4)
+    assert "tensor_parallel_size" not in settings_for(example_objects["chat"], "cpu", 1)
+
+
+def test_on_cpu_the_count_is_engine_processes(example_objects):
+    assert settings_for(example_objects["chat"], "cpu", 2)["tensor_parallel_size"] == 2
