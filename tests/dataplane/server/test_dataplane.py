@@ -9,6 +9,7 @@ import json
 import httpx
 import pytest
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.protocol import EngineLimits
 from modelfleet.dataplane.manifest import single_model_manifest
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.auth import ANONYMOUS
@@ -35,7 +36,9 @@ class Tokenizer:
 class ScriptedEngine:
     """Emits one token per step; records the parameters it was given."""
 
-    max_model_len = 64
+    limits = EngineLimits(max_num_seqs=64, max_model_len=64, vocab_size=50)
+    failure: str | None = None
+    on_failure = None
 
     def __init__(self) -> None:
         self.tokenizer = Tokenizer()
@@ -366,3 +369,28 @@ def test_batch_and_prompt_text_limits_at_and_one_past_the_limit():
             ServerSettings(), CompletionRequest(model="m", prompt="x" * (bound + 1)), tokenizer, 64
         )
     assert info.value.param == "prompt" and f"{bound + 1} characters" in info.value.message
+
+
+async def test_a_request_whose_engine_died_while_it_waited_is_told_to_retry():
+    from modelfleet.dataplane.server.errors import ModelUnavailable
+
+    engine = ScriptedEngine()
+    dp = build_dataplane(
+        ServerSettings(max_running=1), loader=lambda spec: engine, estimate_bytes=lambda spec: 0
+    )
+    dp.apply_manifest(single_model_manifest("/models/m", name="m"))
+    try:
+        first = await dp.completion(CompletionRequest(model="m", prompt=[1], max_tokens=2), ctx())
+        second = asyncio.create_task(
+            dp.completion(CompletionRequest(model="m", prompt=[2], max_tokens=2), ctx())
+        )
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not second.done()
+        dp.manager.slots[("m", "v1")].engine = None  # what unloading a dead engine leaves behind
+        await first.response()
+        with pytest.raises(ModelUnavailable) as info:
+            await second
+        assert info.value.code == "engine_restarting"
+    finally:
+        await dp.close()
