@@ -55,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.error = functools.partial(_usage_error, parser)  # type: ignore[method-assign]  (a summary too)
     parser.add_argument(
-        "--source", required=True, help="file://, a folder, pvc://CLAIM/PATH, http(s)://, s3://"
+        "--source",
+        required=True,
+        help="file://, a folder, pvc://CLAIM/PATH, http(s)://, s3://, hf://ORG/NAME[@REVISION]",
     )
     parser.add_argument("--target", required=True, choices=ACCELERATORS, metavar="ACCELERATOR",
                         help=f"hardware class: {', '.join(ACCELERATORS)}")  # fmt: skip

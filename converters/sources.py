@@ -1,4 +1,5 @@
-"""Turn a source URI (folder, file://, pvc://, http(s)://, s3://) into a local model folder and its digest.
+"""Turn a source URI (folder, file://, pvc://, http(s)://, s3://, hf://) into a local model folder and
+its digest.
 
 The source digest is the sha256 of the sorted lines "<sha256 of file>  <relative path>" over the folder's
 files (what `sha256sum` prints), so it names the content whatever the URI; an archive source's digest is
@@ -22,7 +23,7 @@ from modelfleet.converters.download import NotFound, download, new_client, sha25
 from modelfleet.converters.errors import BadInputError, ToolMissingError
 from modelfleet.converters.hosts import HostPolicy
 
-SCHEMES = ("file", "pvc", "http", "https", "s3")
+SCHEMES = ("file", "pvc", "http", "https", "s3", "hf")
 PVC_ROOT_ENV = "MODELFLEET_PVC_ROOT"
 DEFAULT_PVC_ROOT = "/mnt/pvc"
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -99,6 +100,13 @@ def resolve(uri: str, *, cache_dir: Path, sha256: str | None = None) -> Source:
         return _local(uri, pvc_path(uri), expected, cache_dir)
     if scheme in ("http", "https"):
         return _http(uri, expected, cache_dir)
+    if scheme == "hf":
+        from modelfleet.converters import hub  # huggingface_hub is slow to import: only when used
+
+        folder = hub.fetch(uri, cache_dir)
+        digest, _ = folder_digest(folder)
+        _check_digest(uri, digest, expected)
+        return Source(uri, folder, digest)
     return _s3(uri, expected, cache_dir)
 
 

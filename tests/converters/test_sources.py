@@ -42,7 +42,7 @@ def test_local_and_file_uri_share_a_content_digest(tiny_model_dir, tmp_path):
 
 def test_unknown_scheme_is_refused(tmp_path):
     with pytest.raises(
-        BadInputError, match="scheme 'ftp' is not supported; use one of: file, pvc, http, https, s3"
+        BadInputError, match="scheme 'ftp' is not supported; use one of: file, pvc, http, https, s3, hf"
     ):
         sources.resolve("ftp://host/model", cache_dir=tmp_path)
 
