@@ -394,3 +394,29 @@ async def test_a_request_whose_engine_died_while_it_waited_is_told_to_retry():
         assert info.value.code == "engine_restarting"
     finally:
         await dp.close()
+
+
+def test_a_chat_without_max_tokens_may_use_the_rest_of_the_context_up_to_the_limit():
+    from modelfleet.dataplane.server.checks import default_max_tokens
+    from modelfleet.dataplane.server.protocol import ChatCompletionRequest
+
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    settings = ServerSettings(max_tokens_limit=50)
+    assert default_max_tokens(settings, chat, [[1] * 4, [1] * 30], 64) == 34  # room after the longest
+    assert default_max_tokens(settings, chat, [[1] * 4], 64) == 50  # capped by max_tokens_limit
+    assert default_max_tokens(settings, chat, [[1] * 64], 64) == 1  # never below one
+    completion = CompletionRequest(model="m", prompt="x")
+    assert default_max_tokens(settings, completion, [[1] * 4], 64) == settings.default_max_tokens
+
+
+def test_chat_logprobs_without_top_logprobs_ask_for_the_chosen_token_only():
+    from modelfleet.dataplane.server.checks import requested_logprobs
+    from modelfleet.dataplane.server.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert requested_logprobs(ChatCompletionRequest(model="m", messages=messages, logprobs=True)) == 0
+    assert (
+        requested_logprobs(ChatCompletionRequest(model="m", messages=messages, logprobs=True, top_logprobs=3))
+        == 3
+    )
+    assert requested_logprobs(ChatCompletionRequest(model="m", messages=messages)) is None
