@@ -1,10 +1,12 @@
-"""Work beside the requests: migrations retried while the database is away at start-up, and expired API
-keys taken out of the tenants' key Secrets."""
+"""Work beside the requests: the schema brought to head (or, where another process migrates, waited for)
+while the database is away or behind at start-up, and expired API keys taken out of the tenants' key
+Secrets."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from fastapi import FastAPI
@@ -16,6 +18,8 @@ from modelfleet.controlplane.models import utcnow
 from sqlalchemy import exc as sa_exc
 
 log = logging.getLogger("modelfleet.controlplane")
+
+MIGRATE_HINT = "run `modelfleet controlplane --migrate-only` (the chart's migration Job)"
 
 
 def try_migrate(app: FastAPI) -> bool:
@@ -33,11 +37,57 @@ def try_migrate(app: FastAPI) -> bool:
     return True
 
 
-def keep_migrating(app: FastAPI, stop: threading.Event) -> None:
-    # The process stays up and answers 503 until the database is back, then serves normally.
+def check_schema(app: FastAPI) -> bool:
+    """True when the schema is at this release's head. Never migrates: with migrate_on_start off, one
+    Job per release does, and replicas racing each other to migrate is what that setting prevents."""
+    state = app.state
+    try:
+        schema = db.schema_state(state.engine)
+    except sa_exc.SQLAlchemyError as error:
+        if not db.is_unavailable(error):
+            raise
+        _waiting(app, f"database unreachable ({first_line(error)})")
+        return False
+    if schema.at_head:
+        state.migrated, state.migration_error = True, None
+        return True
+    at, needs = _revisions(schema.current), _revisions(schema.heads)
+    if schema.unknown:
+        # Migrating cannot help: this release's migrations do not know the revision (a rollback across
+        # a migration needs `alembic downgrade` with the newer release first).
+        message = (
+            f"database schema is at {at}, newer than this release knows (it needs {needs}): "
+            "run the release that migrated it"
+        )
+    else:
+        message = f"database schema is at {at}, this release needs {needs}: {MIGRATE_HINT}"
+    _waiting(app, message)
+    return False
+
+
+def _revisions(revisions: tuple[str, ...]) -> str:
+    return ", ".join(revisions) if revisions else "none (an empty database)"
+
+
+def _waiting(app: FastAPI, message: str) -> None:
+    state = app.state
+    if message != state.migration_error:  # said once, not at every retry
+        log.error("%s; checking again every %.0fs", message, state.settings.migrate_retry_s)
+    state.migration_error = message
+
+
+def start_schema(app: FastAPI) -> bool:
+    """What a replica does at start: migrate, or with migrate_on_start off only check the schema."""
+    return try_migrate(app) if app.state.settings.migrate_on_start else check_schema(app)
+
+
+def keep_migrating(
+    app: FastAPI, stop: threading.Event, attempt: Callable[[FastAPI], bool] = start_schema
+) -> None:
+    # The process stays up and answers 503 until the schema is at head, then serves normally.
     while not stop.wait(app.state.settings.migrate_retry_s):
-        if try_migrate(app):
-            log.info("database reachable again; schema at head")
+        if attempt(app):
+            log.info("database schema at head; serving")
             return
 
 

@@ -29,7 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--migrate-only",
         action="store_true",
-        help="bring the database schema to head (alembic upgrade head) and exit",
+        help="bring the database schema to head (alembic upgrade head) and exit: once per release (the "
+        "chart's migration Job); replicas with MODELFLEET_CONTROLPLANE_MIGRATE_ON_START=false wait for it",
     )
     parser.set_defaults(func=serve)
 

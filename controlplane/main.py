@@ -10,13 +10,14 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from alembic.util import CommandError as AlembicError
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from modelfleet.controlplane import cluster as cluster_module
 from modelfleet.controlplane.api.handlers import add_error_handlers, error_body
 from modelfleet.controlplane.api.main import api_router
-from modelfleet.controlplane.background import keep_expiring_keys, keep_migrating, try_migrate
-from modelfleet.controlplane.cluster import Cluster
+from modelfleet.controlplane.background import keep_expiring_keys, keep_migrating, start_schema, try_migrate
+from modelfleet.controlplane.cluster import Cluster, NoCluster
 from modelfleet.controlplane.core import db, telemetry
 from modelfleet.controlplane.core.config import PREFIX, Settings
 from modelfleet.controlplane.errors import ControlPlaneError
@@ -52,7 +53,8 @@ def create_app(
         log.info("cluster: %s", app.state.cluster.describe())
         stop = threading.Event()
         workers = []
-        if not try_migrate(app):
+        # Migrate, or (migrate_on_start off) wait for the release's migration Job; 503 until at head.
+        if not start_schema(app):
             workers.append(
                 threading.Thread(target=keep_migrating, args=(app, stop), daemon=True, name="migrate")
             )
@@ -132,14 +134,23 @@ def serve(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     port = args.port or settings.port
     try:
-        app = create_app(settings)
+        # Migrating needs only the database: the chart's Job runs without Kubernetes credentials.
+        app = create_app(settings, cluster=NoCluster() if args.migrate_only else None)
     except ControlPlaneError as error:
         print(f"error: {error.message}", file=sys.stderr)
         return 2
     if args.migrate_only:
-        ok = try_migrate(app)
-        print("schema at head" if ok else f"error: {app.state.migration_error}", file=sys.stderr)
-        app.state.engine.dispose()
-        return 0 if ok else 1
+        # Whatever MODELFLEET_CONTROLPLANE_MIGRATE_ON_START says: this is the process that migrates.
+        try:
+            if try_migrate(app):
+                at = ", ".join(db.schema_state(app.state.engine).current)
+                print(f"schema at head ({at})", file=sys.stderr)
+                return 0
+            print(f"error: {app.state.migration_error}", file=sys.stderr)
+        except AlembicError as error:  # e.g. the database is at a revision this release does not know
+            print(f"error: migrations failed: {error}", file=sys.stderr)
+        finally:
+            app.state.engine.dispose()
+        return 1
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False)
     return 0

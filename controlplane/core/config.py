@@ -51,8 +51,16 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=1, le=65535, description="port the API listens on")
     db_pool_size: int = Field(default=10, ge=1, description="database connections kept open")
     db_connect_timeout_s: int = Field(default=5, ge=1, description="seconds to wait for a connection")
+    migrate_on_start: bool = Field(
+        default=True,
+        description="bring the schema to head at start (one replica, development); false: never change "
+        "the schema, wait until `modelfleet controlplane --migrate-only` (the chart's Job) has",
+    )
     migrate_retry_s: float = Field(
-        default=5.0, gt=0, description="while the database is unreachable at start, how often to retry"
+        default=5.0,
+        gt=0,
+        description="until the schema is at head (database unreachable, or migrations not run yet), "
+        "how often to try again",
     )
     key_sync_interval_s: float = Field(default=60.0, gt=0, description="how often expired keys leave Secrets")
 

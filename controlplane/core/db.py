@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from modelfleet.controlplane.core.config import Settings
 from sqlalchemy import Engine, create_engine, event, exc, text
 from sqlalchemy.engine import make_url
@@ -62,6 +65,35 @@ def run_migrations(engine: Engine) -> None:
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    current: tuple[str, ...]  # the database's revisions; () when it is empty
+    heads: tuple[str, ...]  # what this release's migrations end at
+    unknown: tuple[str, ...]  # current revisions this release lacks: a later release migrated it
+
+    @property
+    def at_head(self) -> bool:
+        return set(self.current) == set(self.heads)
+
+
+def head_revisions() -> tuple[str, ...]:
+    """Where this release's migrations end."""
+    return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))
+
+
+def schema_state(engine: Engine) -> SchemaState:
+    """Where the database's schema stands against this release's migrations; only reads."""
+    script = ScriptDirectory.from_config(alembic_config())
+    known = {revision.revision for revision in script.walk_revisions()}
+    with engine.connect() as connection:
+        current = tuple(sorted(MigrationContext.configure(connection).get_current_heads()))
+    return SchemaState(
+        current=current,
+        heads=head_revisions(),
+        unknown=tuple(r for r in current if r not in known),
+    )
 
 
 def database_is_up(engine: Engine) -> bool:
