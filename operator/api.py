@@ -22,8 +22,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # RE2-compatible (the API server's regex engine): no look-arounds.
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-URI_PATTERN = r"^(file|pvc|https?|s3)://.+$"
-URI_SCHEMES = ("file", "pvc", "http", "https", "s3")
+URI_PATTERN = r"^(file|pvc|https?|s3|hf)://.+$"
+URI_SCHEMES = ("file", "pvc", "http", "https", "s3", "hf")
 STICKY_BY_PATTERN = r"^(none|user|header:[A-Za-z0-9][-A-Za-z0-9_]*)$"
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 SHA256_PATTERN = r"^[a-f0-9]{64}$"
@@ -380,17 +380,32 @@ class InferenceModelStatus(_Model):
 # --- ModelVersion ----------------------------------------------------------------------------------------
 
 
+class SecretKey(_Model):
+    """One key of a Secret in the ModelVersion's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    key: str = Field(default="token", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
 class Source(_Model):
     """Where the original weights are."""
 
     uri: str = Field(
         min_length=1,
         max_length=2048,
-        description="file://, pvc://<claim>/<path>, http(s):// or s3:// location of the weights.",
+        description=(
+            "file://, pvc://<claim>/<path>, http(s)://, s3:// or hf://<org>/<name>[@<revision>] location "
+            "of the weights."
+        ),
         json_schema_extra={"pattern": URI_PATTERN},  # pydantic side: `_known_scheme` says what to use
     )
     format: SourceFormat = Field(default="hf-safetensors")
     sha256: str | None = Field(default=None, pattern=SHA256_PATTERN, max_length=64)
+    token_secret: SecretKey | None = Field(
+        default=None,
+        description="Secret key holding a Hugging Face token, given to the conversion as HF_TOKEN "
+        "(private or gated hf:// repositories).",
+    )
 
     @field_validator("uri")
     @classmethod

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modelfleet.converters.formats import Target, hardware
-from modelfleet.operator.api import ModelVersion
+from modelfleet.operator.api import ModelVersion, SecretKey
 from modelfleet.operator.reconcile import names
 from modelfleet.operator.settings import OperatorSettings
 
@@ -45,7 +45,7 @@ class SourceMount:
 
 def source_mount(uri: str, settings: OperatorSettings) -> SourceMount:
     """pvc://<claim>/<path> is mounted read-only under the PVC root; file:// paths are on the model store
-    (with or without its mount path in front); http(s):// and s3:// are fetched by the converter."""
+    (with or without its mount path in front); http(s)://, s3:// and hf:// are fetched by the converter."""
     scheme, _, rest = uri.partition("://")
     if scheme == "file":
         path = "/" + rest.lstrip("/")
@@ -56,6 +56,13 @@ def source_mount(uri: str, settings: OperatorSettings) -> SourceMount:
         claim = rest.partition("/")[0]
         return SourceMount(uri, None if claim == settings.model_store_claim else claim)
     return SourceMount(uri)
+
+
+def _token_env(secret: SecretKey | None) -> list[dict[str, Any]]:
+    """HF_TOKEN from the Secret the ModelVersion names: the kubelet reads it, the operator never does."""
+    if secret is None:
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}]
 
 
 def _needs_device(target: Target) -> bool:
@@ -129,6 +136,7 @@ def conversion_job(
                 if settings.conversion_source_allow_hosts
                 else []
             ),
+            *_token_env(spec.source.token_secret),
         ],
         "resources": resources,
         # The summary is written to the termination log; a crash before that still leaves the log tail.

@@ -98,7 +98,7 @@ def test_bad_inference_model_names_the_field(overrides, field, words):
 
 
 @pytest.mark.parametrize(
-    "uri", ["file:///models/m", "pvc://models/m/v1", "http://h/m", "https://h/m", "s3://b/m"]
+    "uri", ["file:///models/m", "pvc://models/m/v1", "http://h/m", "https://h/m", "s3://b/m", "hf://org/m@v1"]
 )
 def test_supported_uri_schemes(uri):
     assert validate_model_version(version(source={"uri": uri})).spec.source.uri == uri
