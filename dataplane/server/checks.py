@@ -68,6 +68,18 @@ def default_max_tokens(
     return max(1, min(room, settings.max_tokens_limit))
 
 
+def fit_default_max_tokens(
+    request: Any, params: SamplingParams, prompts: list[list[int]], tokens_per_minute: int
+) -> None:
+    """A default max_tokens (none was asked for) shrinks to what the key's token rate can ever allow, so
+    that the request runs rather than being refused for a length the client never asked for."""
+    if requested_max_tokens(request) or not tokens_per_minute:
+        return
+    sequences = len(prompts) * request.n
+    room = (tokens_per_minute - sum(len(p) for p in prompts) * request.n) // sequences
+    params.max_tokens = max(1, min(params.max_tokens, room))
+
+
 def requested_max_tokens(request: Any) -> int | None:
     return getattr(request, "max_completion_tokens", None) or request.max_tokens
 

@@ -25,6 +25,7 @@ from modelfleet.dataplane.server.checks import (
     check_batch,
     check_prompt_chars,
     check_request,
+    fit_default_max_tokens,
     requested_max_tokens,
 )
 from modelfleet.dataplane.server.engine_io import engine_max_model_len, merged_events
@@ -183,6 +184,7 @@ class DataPlane:
                 # The key pays for the prompt and the most it may generate before it runs; the rest
                 # is given back when it ends (Generation sets what it used).
                 sequences = len(prompts) * request.n
+                fit_default_max_tokens(request, params, prompts, self.limiter.shares(ctx.principal.limits)[0])
                 reserved = sum(len(p) for p in prompts) * request.n + params.max_tokens * sequences
                 reservation = self.limiter.reserve(ctx.principal, reserved)
                 stack.callback(self.limiter.settle, reservation)
