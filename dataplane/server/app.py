@@ -307,7 +307,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError) -> JSONResponse:
-        if not getattr(exc, "counted", False):
+        if not exc.counted:
             count(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 

@@ -14,10 +14,13 @@ import json
 import logging
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.manifest import ServingManifest
+from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.admission import Admission
 from modelfleet.dataplane.server.auth import KeyStore, Principal, RateLimiter
@@ -28,10 +31,9 @@ from modelfleet.dataplane.server.checks import (
     fit_default_max_tokens,
     requested_max_tokens,
 )
-from modelfleet.dataplane.server.engine_io import engine_max_model_len, merged_events
+from modelfleet.dataplane.server.engine_io import merged_events
 from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable, ServerError
 from modelfleet.dataplane.server.generation import CLIENT_GONE, Generation, end_span
-from modelfleet.dataplane.server.loading import engine_max_num_seqs
 from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.model_manager import LoadState, ModelManager, VersionSpec
 from modelfleet.dataplane.server.peers import ReplicaCount
@@ -88,7 +90,7 @@ class DataPlane:
         self.manifest = ServingManifest()
         self.tables: dict[str, RoutingTable] = {}
         self.manifest_loaded = False
-        self._shadow_tasks: set[asyncio.Task] = set()
+        self._shadow_tasks: set[asyncio.Task[None]] = set()
 
     # -- manifest ------------------------------------------------------------------------------------
 
@@ -128,14 +130,15 @@ class DataPlane:
             slot = self.manager.slots.get((d["model"], d["version"]))
             if slot is not None and slot.state is LoadState.LOADED and slot.engine is not None:
                 # What the engine really runs with, to compare with the manifest's engine settings.
-                d["max_num_seqs"] = engine_max_num_seqs(slot.engine, slot.spec)
-                d["max_model_len"] = engine_max_model_len(slot.engine)
+                limits = slot.engine.limits
+                d["max_num_seqs"] = limits.max_num_seqs
+                d["max_model_len"] = limits.max_model_len
                 d["admission_limit"] = self.admission.limit(d["max_num_seqs"])
                 d["kv_cache_blocks"] = slot.engine.stats().num_total_blocks
         ready = self.manifest_loaded and self.manager.ready()
         return ready, {"ready": ready, "manifest_loaded": self.manifest_loaded, "versions": details}
 
-    def loaded_engines(self):
+    def loaded_engines(self) -> Iterator[tuple[str, str, Engine]]:
         for (model, version), slot in list(self.manager.slots.items()):
             if slot.state is LoadState.LOADED and slot.engine is not None:
                 yield model, version, slot.engine
@@ -179,8 +182,10 @@ class DataPlane:
                 self.limiter.acquire(ctx.principal)
                 stack.callback(self.limiter.release, ctx.principal)
                 slot = await stack.enter_async_context(self.manager.lease(model_name, version))
-                prompts = await self._tokenize(request, renderer, slot.engine)
-                params = check_request(self.settings, request, prompts, engine_max_model_len(slot.engine))
+                engine = slot.engine
+                assert engine is not None  # a lease holds a loaded version
+                prompts = await self._tokenize(request, renderer, engine)
+                params = check_request(self.settings, request, prompts, engine.limits.max_model_len)
                 # The key pays for the prompt and the most it may generate before it runs; the rest
                 # is given back when it ends (Generation sets what it used).
                 sequences = len(prompts) * request.n
@@ -188,7 +193,7 @@ class DataPlane:
                 reserved = sum(len(p) for p in prompts) * request.n + params.max_tokens * sequences
                 reservation = self.limiter.reserve(ctx.principal, reserved)
                 stack.callback(self.limiter.settle, reservation)
-                gate = self.admission.gate(model_name, version, engine_max_num_seqs(slot.engine, slot.spec))
+                gate = self.admission.gate(model_name, version, engine.limits.max_num_seqs)
                 with self.tracer.start_as_current_span("queue"):
                     self.metrics.queue_waiting.set(self.admission.waiting + 1)
                     try:
@@ -202,6 +207,7 @@ class DataPlane:
                         code="engine_restarting",
                         retry_after=1.0,
                     )
+                admitted = slot.engine  # a reloaded version's new engine, if it reloaded meanwhile
                 for shadow in decision_shadows:
                     self._mirror(model_name, shadow, prompts, params, request.n)
         except BaseException as exc:
@@ -213,7 +219,8 @@ class DataPlane:
             # Unknown names stay out of the labels: clients must not be able to grow the metric series.
             label = model_name if model_name in self.tables else UNKNOWN_MODEL
             self.metrics.requests.labels(label, version, str(status)).inc()
-            exc.counted = True  # type: ignore[union-attr]
+            if isinstance(exc, ServerError):
+                exc.counted = True
             if isinstance(exc, ServerError) and exc.code in (
                 "rate_limit_exceeded",
                 "concurrency_limit_exceeded",
@@ -224,10 +231,11 @@ class DataPlane:
             end_span(span, exc)
             raise
         return Generation(
-            dataplane=self,
+            metrics=self.metrics,
+            tracer=self.tracer,
             span=span,
             stack=stack,
-            slot=slot,
+            engine=admitted,
             renderer=renderer,
             prompts=prompts,
             params=params,
@@ -240,10 +248,10 @@ class DataPlane:
             arrived=arrived,
         )
 
-    async def _tokenize(self, request: Any, renderer: Renderer, engine: Any) -> list[list[int]]:
+    async def _tokenize(self, request: Any, renderer: Renderer, engine: Engine) -> list[list[int]]:
         """Prompt token ids; a text too long for the model is refused before tokenizing, and a long one
         is tokenized on a worker thread, so the event loop (every other request, /health) never waits."""
-        chars = check_prompt_chars(self.settings, request, engine.tokenizer, engine_max_model_len(engine))
+        chars = check_prompt_chars(self.settings, request, engine.tokenizer, engine.limits.max_model_len)
         if chars > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(renderer.prompt_token_ids, engine.tokenizer)
         return renderer.prompt_token_ids(engine.tokenizer)
@@ -267,7 +275,9 @@ class DataPlane:
             span.set_attribute(tr.ROUTE_REASON, decision.reason)
         return decision.version, decision.shadows
 
-    def _mirror(self, model: str, version: str, prompts: list[list[int]], params, n: int) -> None:
+    def _mirror(
+        self, model: str, version: str, prompts: list[list[int]], params: SamplingParams, n: int
+    ) -> None:
         """Send a copy to a shadow version in the background; its answer is dropped, its outcome counted."""
         if len(self._shadow_tasks) >= self.settings.max_shadow_in_flight:
             self.metrics.shadow_requests.labels(model, version, "dropped").inc()
@@ -276,12 +286,15 @@ class DataPlane:
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _run_shadow(self, model: str, version: str, prompts, params, n: int) -> None:
+    async def _run_shadow(
+        self, model: str, version: str, prompts: list[list[int]], params: SamplingParams, n: int
+    ) -> None:
         started = time.monotonic()
         status = "ok"
         try:
             with self.tracer.start_as_current_span("shadow", attributes={tr.VERSION: version}):
                 async with self.manager.lease(model, version) as slot:
+                    assert slot.engine is not None  # a lease holds a loaded version
                     async for event in merged_events(slot.engine, prompts, params, n, new_id("shadow")):
                         if event.finish_reason == "error":
                             status = "error"

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from modelfleet.dataplane.engine.outputs import RequestOutput
+from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server.errors import BadRequest
 
@@ -53,16 +55,7 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
     return SamplingParams(**values)
 
 
-def engine_max_model_len(engine: Any) -> int | None:
-    """The engine's context length, wherever this engine keeps it."""
-    for owner in (engine, getattr(engine, "engine", None), getattr(engine, "config", None)):
-        value = getattr(owner, "max_model_len", None) if owner is not None else None
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _event(index: int, output: Any) -> ChoiceEvent:
+def _event(index: int, output: RequestOutput) -> ChoiceEvent:
     # A delta output (the server asks for them): its logprobs are the new tokens' alone.
     return ChoiceEvent(
         index=index,
@@ -70,11 +63,13 @@ def _event(index: int, output: Any) -> ChoiceEvent:
         new_token_ids=tuple(output.new_token_ids or ()),
         logprobs=tuple(output.logprobs) if output.logprobs is not None else None,
         finish_reason=output.finish_reason if output.finished else None,
-        error=getattr(output, "error", None),
+        error=output.error,
     )
 
 
-async def _one(engine: Any, index: int, prompt: list[int], params: SamplingParams, request_id: str):
+async def _one(
+    engine: Engine, index: int, prompt: list[int], params: SamplingParams, request_id: str
+) -> AsyncGenerator[ChoiceEvent, None]:
     try:
         stream = engine.generate(prompt, params, request_id=request_id)
         async with contextlib.aclosing(stream):
@@ -85,8 +80,8 @@ async def _one(engine: Any, index: int, prompt: list[int], params: SamplingParam
 
 
 def merged_events(
-    engine: Any, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
-) -> AsyncIterator[ChoiceEvent]:
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
+) -> AsyncGenerator[ChoiceEvent, None]:
     """Events of all choices (index = prompt_index * n + sample_index), in arrival order. One choice
     (the common case) is its own stream: no layer in between to pass every token through."""
     subs = []
@@ -104,8 +99,8 @@ def merged_events(
 
 
 async def _interleaved(
-    engine: Any, subs: list[tuple[int, list[int], SamplingParams]], request_id: str
-) -> AsyncIterator[ChoiceEvent]:
+    engine: Engine, subs: list[tuple[int, list[int], SamplingParams]], request_id: str
+) -> AsyncGenerator[ChoiceEvent, None]:
     queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
     async def pump(index: int, prompt: list[int], sub_params: SamplingParams) -> None:

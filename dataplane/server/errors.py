@@ -11,6 +11,9 @@ class ServerError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    # Set where the request was counted under its model's labels (the facade, a Generation), so that the
+    # HTTP layer, which counts the refusals no model saw, does not count it again.
+    counted: bool = False
 
     def __init__(
         self,

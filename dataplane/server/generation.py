@@ -1,25 +1,27 @@
 """One admitted request producing its answer: as a whole or as stream chunks, with its metrics, spans,
-token charges, and the release of everything it holds however it ends (finished, failed, client gone)."""
+token charges, and the release of everything it holds however it ends (finished, failed, client gone).
+
+The facade (dataplane.py) builds a Generation and hands it what it needs; nothing here reaches back to
+the facade (an import-linter contract keeps it so)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
+from typing import Any
 
+from modelfleet.dataplane.engine.protocol import Engine
+from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.auth import Principal, Reservation
 from modelfleet.dataplane.server.engine_io import ChoiceEvent, merged_events
 from modelfleet.dataplane.server.errors import EngineFailure, ServerError
-from modelfleet.dataplane.server.model_manager import VersionSlot
+from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.render import Renderer
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
-
-if TYPE_CHECKING:
-    from modelfleet.dataplane.server.dataplane import DataPlane
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 CLIENT_GONE = "499"  # the client closed the connection before the answer ended
 
@@ -30,13 +32,14 @@ class Generation:
     def __init__(
         self,
         *,
-        dataplane: DataPlane,
+        metrics: ServerMetrics,
+        tracer: Tracer,
         span: Span,
         stack: contextlib.AsyncExitStack,
-        slot: VersionSlot,
+        engine: Engine,
         renderer: Renderer,
         prompts: list[list[int]],
-        params,
+        params: SamplingParams,
         n: int,
         principal: Principal,
         reservation: Reservation | None = None,
@@ -45,11 +48,11 @@ class Generation:
         include_usage: bool,
         arrived: float,
     ) -> None:
-        self.dp = dataplane
+        self.metrics = metrics
+        self.tracer = tracer
         self.span = span
         self.stack = stack
-        self.slot = slot
-        self.engine = slot.engine  # the one it was admitted to, even if the slot reloads meanwhile
+        self.engine = engine  # the one it was admitted to, even if its version reloads meanwhile
         self.renderer = renderer
         self.prompts = prompts
         self.params = params
@@ -63,14 +66,14 @@ class Generation:
         self.arrived = arrived
         self._closed = False
 
-    async def response(self):
+    async def response(self) -> Any:
         """The whole answer (non-streaming)."""
         async with contextlib.aclosing(self._events()) as events:
             async for event in events:
                 self.renderer.add(event)
         return self.renderer.response(self.engine.tokenizer)
 
-    async def chunks(self) -> AsyncIterator[Any]:
+    async def chunks(self) -> AsyncGenerator[Any, None]:
         """Streaming chunks. Usage comes only as OpenAI sends it: a last chunk with no choices, when the
         client asked with `stream_options.include_usage`."""
         tokenizer = self.engine.tokenizer
@@ -86,16 +89,16 @@ class Generation:
         if self.include_usage:
             yield self.renderer.usage_chunk()
 
-    async def _events(self) -> AsyncIterator[ChoiceEvent]:
+    async def _events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""
-        dp, labels = self.dp, (self.model, self.version)
-        itl, generated = dp.metrics.itl.labels(*labels), dp.metrics.generation_tokens.labels(*labels)
+        metrics, labels = self.metrics, (self.model, self.version)
+        itl, generated = metrics.itl.labels(*labels), metrics.generation_tokens.labels(*labels)
         status = "200"
         error: BaseException | None = None
         started = self.arrived
         first_token_at: float | None = None
         last_token_at: dict[int, float] = {}  # per choice: inter-token gaps never mix choices
-        prefill = dp.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
+        prefill = self.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
         decode: Span | None = None
         try:
             stream = merged_events(self.engine, self.prompts, self.params, self.n, self.request_id)
@@ -106,9 +109,9 @@ class Generation:
                         count = len(event.new_token_ids)
                         if first_token_at is None:
                             first_token_at = now
-                            dp.metrics.ttft.labels(*labels).observe(now - started)
+                            metrics.ttft.labels(*labels).observe(now - started)
                             prefill.end()
-                            decode = dp.tracer.start_span(
+                            decode = self.tracer.start_span(
                                 "decode", context=trace.set_span_in_context(self.span)
                             )
                         previous = last_token_at.get(event.index)
@@ -131,10 +134,13 @@ class Generation:
             raise
         except ServerError as exc:
             status, error = str(exc.status), exc
+            exc.counted = True  # below, under this version's labels
             raise
         except Exception as exc:
             status, error = "500", exc
-            raise EngineFailure(f"the engine failed this request: {exc}") from exc
+            failure = EngineFailure(f"the engine failed this request: {exc}")
+            failure.counted = True
+            raise failure from exc
         finally:
             end = time.monotonic()
             if first_token_at is None:
@@ -143,11 +149,11 @@ class Generation:
                 decode.end()
             num_prompt = sum(len(p) for p in self.prompts) * self.n
             num_output = self.renderer.completion_tokens
-            dp.metrics.prompt_tokens.labels(*labels).inc(num_prompt)
-            dp.metrics.e2e.labels(*labels).observe(end - started)
-            dp.metrics.request_prompt_tokens.labels(*labels).observe(num_prompt)
-            dp.metrics.request_generation_tokens.labels(*labels).observe(num_output)
-            dp.metrics.requests.labels(*labels, status).inc()
+            metrics.prompt_tokens.labels(*labels).inc(num_prompt)
+            metrics.e2e.labels(*labels).observe(end - started)
+            metrics.request_prompt_tokens.labels(*labels).observe(num_prompt)
+            metrics.request_generation_tokens.labels(*labels).observe(num_output)
+            metrics.requests.labels(*labels, status).inc()
             self.span.set_attribute(tr.INPUT_TOKENS, num_prompt)
             self.span.set_attribute(tr.OUTPUT_TOKENS, num_output)
             self.span.set_attribute(tr.RESPONSE_ID, self.request_id)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.server.model_manager import VersionSpec
 
 # transformers' lazy imports are not thread-safe, and two loads at once would only compete for the same
@@ -27,13 +28,9 @@ def engine_kwargs(spec: VersionSpec) -> dict[str, Any]:
     return {key: json.loads(value) for key, value in spec.engine_config}
 
 
-def engine_max_num_seqs(engine: Any, spec: VersionSpec) -> int:
-    """Sequences the engine runs at once: its own config where it keeps one (the threaded engines), else
-    the setting it was started with (an engine process keeps its config in the child)."""
-    for owner in (engine, getattr(engine, "engine", None)):
-        value = getattr(getattr(owner, "config", None), "max_num_seqs", None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+def spec_max_num_seqs(spec: VersionSpec) -> int:
+    """Sequences the version's engine will run at once, before it is built (a loaded engine says so
+    itself: `Engine.limits`)."""
     value = engine_kwargs(spec).get("max_num_seqs", EngineConfig.max_num_seqs)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
@@ -66,7 +63,7 @@ def is_onnx_artifact(artifact: Path) -> bool:
     return artifact_format(artifact) == "onnx"
 
 
-def load_engine(spec: VersionSpec) -> Any:
+def load_engine(spec: VersionSpec) -> Engine:
     """Blocking: build the engine for one version (the manager runs this on a worker thread)."""
     artifact = Path(spec.artifact)
     if not artifact.is_dir():
@@ -126,7 +123,7 @@ def estimate_engine_bytes(spec: VersionSpec) -> int:
         files = {p for pattern in patterns for p in artifact.glob(pattern)}
         weights = sum(p.stat().st_size for p in files if p.is_file())
         per_seq = _onnx_cache_bytes(artifact, kwargs.get("max_model_len"))
-        return weights + min(kv_bytes, per_seq * engine_max_num_seqs(None, spec))
+        return weights + min(kv_bytes, per_seq * spec_max_num_seqs(spec))
     weights = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
     return weights + kv_bytes
 
@@ -143,5 +140,5 @@ def _onnx_cache_bytes(artifact: Path, max_model_len: Any) -> int:
         return 0  # the load itself will say what is wrong with the artifact
 
 
-def close_engine(engine: Any) -> None:
+def close_engine(engine: Engine) -> None:
     engine.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable
 
 log = logging.getLogger("modelfleet.server")
@@ -47,7 +48,7 @@ class VersionSpec:
 class VersionSlot:
     spec: VersionSpec
     state: LoadState = LoadState.UNLOADED
-    engine: Any = None
+    engine: Engine | None = None
     size_bytes: int = 0
     in_flight: int = 0
     last_used: float = 0.0
@@ -70,9 +71,9 @@ class VersionSlot:
         }
 
 
-Loader = Callable[[VersionSpec], Any]  # blocking; returns the engine
+Loader = Callable[[VersionSpec], Engine]  # blocking
 SizeEstimator = Callable[[VersionSpec], int]
-Closer = Callable[[Any], None]
+Closer = Callable[[Engine], None]
 StateListener = Callable[[VersionSlot], None]
 
 
@@ -157,7 +158,7 @@ class ModelManager:
                 self._spawn(self._unload(slot))
 
     async def _ensure_loaded(self, slot: VersionSlot) -> None:
-        if slot.state is LoadState.LOADED and getattr(slot.engine, "failure", None) is None:
+        if slot.state is LoadState.LOADED and slot.engine is not None and slot.engine.failure is None:
             return
         # An engine that died before its failure hook ran is found here: this request loads it again.
         await self._unload_if_dead(slot)
@@ -192,9 +193,9 @@ class ModelManager:
             log.error("loading %s failed: %s", slot.spec.label, slot.error)
             return
         seconds = time.perf_counter() - started
-        if hasattr(engine, "on_failure"):  # an engine that can die under us (a process of its own)
-            loop = asyncio.get_running_loop()
-            engine.on_failure = lambda reason: loop.call_soon_threadsafe(self._engine_failed, slot, engine)
+        # An engine can die under us (its process, a tensor-parallel rank): it then calls this.
+        loop = asyncio.get_running_loop()
+        engine.on_failure = lambda reason: loop.call_soon_threadsafe(self._engine_failed, slot, engine)
         slot.engine, slot.state, slot.load_seconds = engine, LoadState.LOADED, seconds
         slot.last_used = self.clock()
         self.on_state(slot)
@@ -203,7 +204,7 @@ class ModelManager:
         if slot.retired and slot.in_flight == 0:
             await self._unload(slot)
 
-    def _engine_failed(self, slot: VersionSlot, engine: Any) -> None:
+    def _engine_failed(self, slot: VersionSlot, engine: Engine) -> None:
         """A loaded engine died: unload it now, and load a preloaded version again at once (others load
         on their next request), so that readiness tells the truth meanwhile."""
         if slot.engine is engine:
@@ -215,9 +216,9 @@ class ModelManager:
             await self._preload(slot)
 
     async def _unload_if_dead(self, slot: VersionSlot) -> None:
-        failure = getattr(slot.engine, "failure", None) if slot.state is LoadState.LOADED else None
-        if failure is not None:
-            log.error("%s can no longer serve: %s; unloading it", slot.spec.label, failure)
+        engine = slot.engine if slot.state is LoadState.LOADED else None
+        if engine is not None and engine.failure is not None:
+            log.error("%s can no longer serve: %s; unloading it", slot.spec.label, engine.failure)
             await self._unload(slot)
 
     def _fail(self, slot: VersionSlot, reason: str) -> None:

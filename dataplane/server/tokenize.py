@@ -7,7 +7,7 @@ import asyncio
 import importlib.metadata
 from typing import Any
 
-from modelfleet.dataplane.server.engine_io import engine_max_model_len
+from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.server.errors import BadRequest, ModelNotFound, ModelUnavailable
 from modelfleet.dataplane.server.protocol import ChatMessage
 from modelfleet.dataplane.server.render import chat_prompt_ids
@@ -72,7 +72,7 @@ async def tokenize(dataplane: Any, request: TokenizeRequest) -> TokenizeResponse
             ids = _encode(tokenizer, request.prompt, request.add_special_tokens)
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResponse(
-            count=len(ids), max_model_len=engine_max_model_len(engine), tokens=ids, token_strs=strs
+            count=len(ids), max_model_len=engine.limits.max_model_len, tokens=ids, token_strs=strs
         )
 
 
@@ -108,8 +108,9 @@ class _LeasedEngine:
             raise ModelUnavailable(str(exc), code=exc.code) from None
         self._lease = dataplane.manager.lease(name, version)
 
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Engine:
         slot = await self._lease.__aenter__()
+        assert slot.engine is not None  # a lease holds a loaded version
         return slot.engine
 
     async def __aexit__(self, *exc: Any) -> None:

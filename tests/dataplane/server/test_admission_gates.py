@@ -8,7 +8,7 @@ import pytest
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.server.admission import Admission, AdmissionQueue
 from modelfleet.dataplane.server.errors import RateLimited
-from modelfleet.dataplane.server.loading import engine_max_num_seqs
+from modelfleet.dataplane.server.loading import spec_max_num_seqs
 from modelfleet.dataplane.server.model_manager import VersionSpec
 
 
@@ -53,17 +53,10 @@ async def test_max_running_caps_below_the_engine_and_a_resized_engine_gets_a_new
     assert uncapped.running == 0
 
 
-def test_engine_size_comes_from_the_engine_else_from_its_settings():
-    class Config:
-        max_num_seqs = 7
-
-    class Threaded:
-        engine = type("Inner", (), {"config": Config()})()
-
+def test_before_its_engine_is_built_a_versions_size_comes_from_its_settings():
     spec = VersionSpec("m", "v", "/a", engine_config=(("max_num_seqs", "5"),))
-    assert engine_max_num_seqs(Threaded(), spec) == 7
-    assert engine_max_num_seqs(object(), spec) == 5  # an engine process keeps its config in the child
-    assert engine_max_num_seqs(object(), VersionSpec("m", "v", "/a")) == EngineConfig.max_num_seqs
+    assert spec_max_num_seqs(spec) == 5
+    assert spec_max_num_seqs(VersionSpec("m", "v", "/a")) == EngineConfig.max_num_seqs
 
 
 def test_a_gate_needs_room_for_one_request():

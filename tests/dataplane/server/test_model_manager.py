@@ -12,6 +12,13 @@ from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable
 from modelfleet.dataplane.server.model_manager import LoadState, ModelManager, VersionSpec
 
 
+class FakeEngine(dict):
+    """What the manager needs of an engine: whether it has died, and a hook it calls when it does."""
+
+    failure: str | None = None
+    on_failure = None
+
+
 class Loads:
     """A loader that records its calls; `fail` makes a version's load raise."""
 
@@ -28,7 +35,7 @@ class Loads:
         time.sleep(self.delay)
         if spec.version in self.fail:
             raise OSError(f"cannot open {spec.artifact}/model.safetensors\nsecond line")
-        return {"version": spec.version}
+        return FakeEngine(version=spec.version)
 
     def close(self, engine: dict) -> None:
         self.closed.append(engine["version"])
