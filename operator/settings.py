@@ -60,6 +60,12 @@ class OperatorSettings(BaseSettings):
     dataplane_otlp_endpoint: str = Field(
         default="", description="OTEL_EXPORTER_OTLP_ENDPOINT of the data-plane pods; empty: no traces"
     )
+    dataplane_log_format: str = Field(
+        default="",
+        pattern="^(|text|json)$",
+        description="MODELFLEET_LOG_FORMAT of the data-plane pods (text, or json: one object a line with "
+        "trace ids); empty: not set, so text",
+    )
     dataplane_tensorrt: bool = Field(
         default=False,
         description="the data-plane image carries TensorRT and so serves TensorRT artifacts; off: "

@@ -109,6 +109,8 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": settings.dataplane_otlp_endpoint})
     else:
         env.append({"name": "OTEL_TRACES_EXPORTER", "value": "none"})
+    if settings.dataplane_log_format:
+        env.append({"name": "MODELFLEET_LOG_FORMAT", "value": settings.dataplane_log_format})
     if spec.loading.idle_unload_after:
         seconds = duration_seconds(spec.loading.idle_unload_after)
         env.append({"name": "MODELFLEET_IDLE_UNLOAD_SECONDS", "value": str(seconds)})

@@ -81,6 +81,10 @@ BAD_VALUES = {
     "short-admin-key": ({"controlPlane": {"auth": {"adminKey": "short"}}}, "/controlPlane/auth/adminKey"),
     "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
     "bad-log-format": ({"logFormat": "yaml"}, "/logFormat"),
+    "negative-migration-retries": (
+        {"controlPlane": {"migrationJob": {"backoffLimit": -1}}},
+        "/controlPlane/migrationJob/backoffLimit",
+    ),
 }
 
 
@@ -451,3 +455,86 @@ def test_network_policies_allow_only_what_is_used(rendered) -> None:
     (rule,) = by_kind(restricted, "NetworkPolicy")["mf-modelfleet-controlplane"]["spec"]["ingress"]
     assert rule["from"] == [{"podSelector": {"matchLabels": {"a": "b"}}}]
     assert not by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+MIGRATION_JOB = "mf-modelfleet-controlplane-migrate"
+
+
+def _pod(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def test_migrations_run_once_per_release_in_a_hook_job(rendered) -> None:
+    docs = render(
+        {
+            "database": {"type": "postgresql", "postgresql": {"existingSecret": "modelfleet-db"}},
+            "controlPlane": {"replicas": 3, "extraEnv": [{"name": "PGSSLMODE", "value": "require"}]},
+            "tracing": {"otlpEndpoint": "http://otel-collector.observability:4318"},
+            "imagePullSecrets": [{"name": "regcred"}],
+        }
+    )
+    job = by_kind(docs, "Job")[MIGRATION_JOB]
+    deployment = by_kind(docs, "Deployment")["mf-modelfleet-controlplane"]
+    # post-install: the Secrets it reads are the release's own; pre-upgrade: before the new pods start.
+    assert job["metadata"]["annotations"] == {
+        "helm.sh/hook": "post-install,pre-upgrade",
+        "helm.sh/hook-weight": "0",
+        "helm.sh/hook-delete-policy": "before-hook-creation,hook-succeeded",
+    }
+    pod, replica_pod = _pod(job), _pod(deployment)
+    (migrate,), (replica,) = pod["containers"], replica_pod["containers"]
+    assert migrate["command"] == ["modelfleet", "controlplane", "--migrate-only"]
+    assert pod["restartPolicy"] == "Never"
+    # The same database, image and hardening as the replicas it migrates for.
+    for key in ("image", "imagePullPolicy", "env", "volumeMounts", "securityContext", "resources"):
+        assert migrate[key] == replica[key], key
+    for key in ("securityContext", "volumes", "serviceAccountName", "imagePullSecrets"):
+        assert pod[key] == replica_pod[key], key
+    assert {"name": "PGSSLMODE", "value": "require"} in migrate["env"]
+    assert pod["automountServiceAccountToken"] is False  # migrating never calls the Kubernetes API
+    # The replicas never migrate: they wait for the Job.
+    assert container_env(deployment)["MODELFLEET_CONTROLPLANE_MIGRATE_ON_START"] == "false"
+    # The Service must not send API requests to the Job's pod.
+    job_labels = job["spec"]["template"]["metadata"]["labels"].items()
+    selector = by_kind(docs, "Service")["mf-modelfleet-controlplane"]["spec"]["selector"]
+    assert not selector.items() <= job_labels
+
+    # Its NetworkPolicy: no ingress, egress only to DNS and PostgreSQL.
+    policy = by_kind(docs, "NetworkPolicy")[MIGRATION_JOB]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= job_labels
+    assert policy["ingress"] == [] and policy["policyTypes"] == ["Ingress", "Egress"]
+    assert {p["port"] for rule in policy["egress"] for p in rule["ports"]} == {53, 5432}
+
+
+def test_sqlite_migrates_in_its_one_replica_and_the_job_can_be_turned_off(rendered) -> None:
+    """SQLite: the Recreate strategy makes the one replica the only writer, and a Job would need its
+    ReadWriteOnce volume while the old pod holds it."""
+    sqlite = rendered[("defaults", "1.37.0")]
+    assert MIGRATION_JOB not in by_kind(sqlite, "Job")
+    deployment = by_kind(sqlite, "Deployment")["mf-modelfleet-controlplane"]
+    assert container_env(deployment)["MODELFLEET_CONTROLPLANE_MIGRATE_ON_START"] == "true"
+    assert MIGRATION_JOB in by_kind(rendered[("postgresql-url", "1.37.0")], "Job")
+
+    by_hand = render(
+        {
+            "database": {"type": "postgresql", "postgresql": {"existingSecret": "modelfleet-db"}},
+            "controlPlane": {"migrationJob": {"enabled": False}},
+        }
+    )
+    assert MIGRATION_JOB not in by_kind(by_hand, "Job")
+    assert MIGRATION_JOB not in by_kind(by_hand, "NetworkPolicy")
+    # Still no replica migrates: whoever turned the Job off runs `--migrate-only` themselves.
+    replica_env = container_env(by_kind(by_hand, "Deployment")["mf-modelfleet-controlplane"])
+    assert replica_env["MODELFLEET_CONTROLPLANE_MIGRATE_ON_START"] == "false"
+
+
+def test_dataplane_pods_log_in_the_charts_log_format(rendered) -> None:
+    operator = by_kind(rendered[("postgresql", "1.37.0")], "Deployment")["mf-modelfleet-operator"]
+    log_format = container_env(operator)["MODELFLEET_DATAPLANE_LOG_FORMAT"]
+    assert log_format == "json"
+    settings = OperatorSettings(dataplane_log_format=log_format)
+    pod = serving.deployment(EXAMPLE_MODEL, EXAMPLE_SPEC, settings)["spec"]["template"]["spec"]
+    env = {item["name"]: item.get("value") for item in pod["containers"][0]["env"]}
+    assert env[LOG_FORMAT_ENV] == "json"
+    unset = serving.deployment(EXAMPLE_MODEL, EXAMPLE_SPEC, OperatorSettings())["spec"]["template"]["spec"]
+    assert LOG_FORMAT_ENV not in {item["name"] for item in unset["containers"][0]["env"]}

@@ -140,3 +140,81 @@ modelfleet-quota
 {{ toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* Schema migrations run in the hook Job (migrate-job.yaml) with PostgreSQL. SQLite keeps them in its
+one replica: the Recreate strategy already makes it the only process that touches the file, and a Job
+would need the ReadWriteOnce volume while the old pod still holds it (pre-upgrade), which hangs when the
+two land on different nodes. */}}
+{{- define "modelfleet.controlPlane.migrationJob" -}}
+{{- if and .Values.controlPlane.enabled (eq .Values.database.type "postgresql") .Values.controlPlane.migrationJob.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The control plane's environment, volume mounts and volumes: shared by its Deployment and its
+migration Job so that the Job migrates exactly the database the replicas will use. */}}
+{{- define "modelfleet.controlPlane.env" -}}
+{{- $sqlite := eq .Values.database.type "sqlite" -}}
+- name: MODELFLEET_CONTROLPLANE_ENVIRONMENT
+  value: production
+- name: MODELFLEET_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+- name: MODELFLEET_CONTROLPLANE_HOST
+  value: "0.0.0.0"
+- name: MODELFLEET_CONTROLPLANE_PORT
+  value: {{ .Values.controlPlane.port | quote }}
+# Writes become CRs in the tenants' namespaces through the in-cluster service account.
+- name: MODELFLEET_CONTROLPLANE_CLUSTER
+  value: kubernetes
+# SQLite: its one replica migrates at start. PostgreSQL: replicas never migrate; they answer 503 until
+# the migration Job (or `modelfleet controlplane --migrate-only`, which ignores this) has run.
+- name: MODELFLEET_CONTROLPLANE_MIGRATE_ON_START
+  value: {{ $sqlite | quote }}
+- name: MODELFLEET_CONTROLPLANE_ADMIN_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "modelfleet.controlPlane.secretName" . }}
+      key: admin-key
+- name: MODELFLEET_CONTROLPLANE_KEY_PEPPER
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "modelfleet.controlPlane.secretName" . }}
+      key: key-pepper
+{{- if $sqlite }}
+- name: DATABASE_URL
+  value: sqlite:////var/lib/modelfleet/controlplane.db
+{{- else }}
+- name: DATABASE_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "modelfleet.database.secretName" . }}
+      key: {{ .Values.database.postgresql.existingSecretKey }}
+{{- end }}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_SERVICE_NAME
+  value: modelfleet-controlplane
+{{- end }}
+{{- with .Values.controlPlane.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "modelfleet.controlPlane.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if eq .Values.database.type "sqlite" }}
+- name: data
+  mountPath: /var/lib/modelfleet
+{{- end }}
+{{- end }}
+
+{{- define "modelfleet.controlPlane.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 64Mi
+{{- if eq .Values.database.type "sqlite" }}
+- name: data
+  persistentVolumeClaim:
+    claimName: {{ include "modelfleet.sqlite.claimName" . }}
+{{- end }}
+{{- end }}
