@@ -22,8 +22,11 @@ log = logging.getLogger("modelfleet.controlplane")
 MIGRATE_HINT = "run `modelfleet controlplane --migrate-only` (the chart's migration Job)"
 
 
-def try_migrate(app: FastAPI) -> bool:
-    """`alembic upgrade head` once; False when the database is unreachable (other failures raise)."""
+def try_migrate(app: FastAPI, *, retrying: bool = True) -> bool:
+    """`alembic upgrade head` once; False when the database is unreachable (other failures raise).
+
+    `retrying` False: the caller reports the failure itself (`--migrate-only` exits; its Job retries).
+    """
     state = app.state
     try:
         db.run_migrations(state.engine)
@@ -31,7 +34,8 @@ def try_migrate(app: FastAPI) -> bool:
         if not db.is_unavailable(error):
             raise
         state.migration_error = f"database unreachable at start-up ({first_line(error)})"
-        log.error("%s; retrying every %.0fs", state.migration_error, state.settings.migrate_retry_s)
+        if retrying:
+            log.error("%s; retrying every %.0fs", state.migration_error, state.settings.migrate_retry_s)
         return False
     state.migrated, state.migration_error = True, None
     return True

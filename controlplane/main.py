@@ -142,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.migrate_only:
         # Whatever MODELFLEET_CONTROLPLANE_MIGRATE_ON_START says: this is the process that migrates.
         try:
-            if try_migrate(app):
+            if try_migrate(app, retrying=False):
                 at = ", ".join(db.schema_state(app.state.engine).current)
                 print(f"schema at head ({at})", file=sys.stderr)
                 return 0

@@ -127,3 +127,23 @@ def test_migrate_on_start_is_the_default_and_migrates(tmp_path):
     with TestClient(create_app(make_settings(url))) as client:
         assert client.get("/ready").status_code == 200
     assert "tenants" in tables(url)
+
+
+# Nothing listens on port 1: connections are refused at once.
+UNREACHABLE = "postgresql+psycopg://mf:pw@127.0.0.1:1/mf"
+
+
+def test_migrate_only_against_an_unreachable_database_fails_in_one_line(monkeypatch, capsys, caplog):
+    assert migrate_only(monkeypatch, UNREACHABLE) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: database unreachable"), lines
+    # It exits (its Job retries): no promise of retrying in the log.
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+
+def test_a_waiting_replica_says_when_the_database_is_unreachable():
+    app = create_app(make_settings(UNREACHABLE, migrate_on_start=False, migrate_retry_s=0.1))
+    with TestClient(app) as client:
+        ready = client.get("/ready")
+        assert ready.status_code == 503
+        assert ready.json()["error"]["message"].startswith("database not ready: database unreachable (")
