@@ -81,7 +81,9 @@ class BlockManager:
         self.num_hit_tokens += len(hit_ids) * self.block_size
         return hit_ids, len(hit_ids) * self.block_size
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_block_ids: list[int] | tuple[()] = ()
+    ) -> bool:
         """Gives `seq` blocks for `num_new_tokens` more tokens after its computed ones (and after the
         prefix-cache hits `computed_block_ids`, which it then shares). False, changing nothing, if the
         free blocks do not suffice."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 @dataclass
@@ -54,7 +55,7 @@ def request_output(
     new_text: str,
     new_token_ids: list[int],
     logprobs: list[dict[int, float]] | None,
-    **rest: object,
+    **rest: Any,
 ) -> RequestOutput:
     """An engine's output for one request. token_ids and logprobs are the request's own growing lists:
     a cumulative output takes copies of them, a delta output only their new tail."""

@@ -13,7 +13,6 @@ import uuid
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Generator
-from typing import Any
 
 from modelfleet.dataplane.engine.llm_engine import Prompt
 from modelfleet.dataplane.engine.messages import Abort, Add, Command
@@ -25,8 +24,8 @@ from modelfleet.dataplane.sampling_params import SamplingParams
 class Done:
     """An already-finished awaitable, so that `abort()` works with and without `await`."""
 
-    def __await__(self) -> Generator[Any, None, None]:
-        return iter(())
+    def __await__(self) -> Generator[None, None, None]:
+        yield from ()
 
 
 Item = RequestOutput | BaseException  # what the thread hands a request's stream

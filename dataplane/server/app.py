@@ -8,8 +8,9 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from modelfleet.dataplane.server.protocol import ChatCompletionRequest, Completi
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("modelfleet.server")
 
@@ -50,7 +52,11 @@ def _redact_keys_in_server_logs() -> None:
             logger.addFilter(RedactApiKeys())
 
 
-def create_app(dataplane: DataPlane, *, lifespan=None) -> FastAPI:
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
+T = TypeVar("T")
+
+
+def create_app(dataplane: DataPlane, *, lifespan: Lifespan | None = None) -> FastAPI:
     _redact_keys_in_server_logs()
     app = FastAPI(title="modelfleet", lifespan=lifespan)
     app.state.dataplane = dataplane
@@ -137,7 +143,7 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
     return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
 
 
-async def _sse(first: Any, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def _sse(first: Any, chunks: AsyncGenerator[Any, None]) -> AsyncIterator[str]:
     try:
         if first is not None:
             yield f"data: {first.model_dump_json()}\n\n"
@@ -150,7 +156,7 @@ async def _sse(first: Any, chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def _until_disconnect(request: Request, work):
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run a non-streaming answer; if the client leaves first, cancel it (aborting the engine request) and
     return None."""
     task = asyncio.ensure_future(work)
@@ -260,11 +266,11 @@ class HttpSpanMiddleware:
     """The root span of each HTTP request, continuing a W3C `traceparent` from the client. Plain ASGI, so
     the span stays open until a streamed body has been sent to the end."""
 
-    def __init__(self, app, tracer: Tracer) -> None:
+    def __init__(self, app: ASGIApp, tracer: Tracer) -> None:
         self.app = app
         self.tracer = tracer
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in _UNTRACED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -279,7 +285,7 @@ class HttpSpanMiddleware:
         )
         status: list[int] = []
 
-        async def send_with_status(message) -> None:
+        async def send_with_status(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
                 span.set_attribute("http.response.status_code", message["status"])

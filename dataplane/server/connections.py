@@ -49,7 +49,7 @@ class _Deadlines:
         transport = self.transport  # type: ignore[attr-defined]
         if transport.is_closing() or transport.get_protocol() is not self:  # closed, or now a WebSocket
             return
-        cycle = self.cycle  # type: ignore[attr-defined]
+        cycle = self.cycle
         if cycle is cycle_then and (cycle is None or cycle.response_complete):  # no new head since armed
             self.on_timeout("header")
             transport.abort()
@@ -115,7 +115,7 @@ def protocol_class(settings: ServerSettings, on_timeout: OnTimeout) -> type[asyn
 
         attrs["head_error"] = httptools.HttpParserError
     except ImportError:  # httptools is optional
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
     return type(f"Guarded{base.__name__}", (_Deadlines, base), attrs)
 
 

@@ -33,7 +33,7 @@ from modelfleet.dataplane.server.checks import (
 )
 from modelfleet.dataplane.server.engine_io import merged_events
 from modelfleet.dataplane.server.errors import ModelNotFound, ModelUnavailable, ServerError
-from modelfleet.dataplane.server.generation import CLIENT_GONE, Generation, end_span
+from modelfleet.dataplane.server.generation import CLIENT_GONE, AnswerRenderer, Generation, end_span
 from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.model_manager import LoadState, ModelManager, VersionSpec
 from modelfleet.dataplane.server.peers import ReplicaCount
@@ -155,7 +155,7 @@ class DataPlane:
         self,
         request: CompletionRequest | ChatCompletionRequest,
         ctx: RequestContext,
-        renderer: Renderer,
+        renderer: AnswerRenderer,
         *,
         operation: str,
     ) -> Generation:
@@ -213,14 +213,13 @@ class DataPlane:
         except BaseException as exc:
             await stack.aclose()
             if isinstance(exc, ServerError):
-                status = exc.status
+                status = str(exc.status)
+                exc.counted = True  # here, below
             else:
-                status = CLIENT_GONE if isinstance(exc, asyncio.CancelledError) else 500
+                status = CLIENT_GONE if isinstance(exc, asyncio.CancelledError) else "500"
             # Unknown names stay out of the labels: clients must not be able to grow the metric series.
             label = model_name if model_name in self.tables else UNKNOWN_MODEL
-            self.metrics.requests.labels(label, version, str(status)).inc()
-            if isinstance(exc, ServerError):
-                exc.counted = True
+            self.metrics.requests.labels(label, version, status).inc()
             if isinstance(exc, ServerError) and exc.code in (
                 "rate_limit_exceeded",
                 "concurrency_limit_exceeded",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -93,7 +94,7 @@ def error_body(message: str, *, type_: str, param: str | None = None, code: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """Pydantic/FastAPI validation errors -> one line naming the field, and the field as `param`."""
     if not errors:
         return "invalid request", None

@@ -19,11 +19,12 @@ from modelfleet.dataplane.server.auth import Principal, Reservation
 from modelfleet.dataplane.server.engine_io import ChoiceEvent, merged_events
 from modelfleet.dataplane.server.errors import EngineFailure, ServerError
 from modelfleet.dataplane.server.metrics import ServerMetrics
-from modelfleet.dataplane.server.render import Renderer
+from modelfleet.dataplane.server.render import ChatRenderer, CompletionRenderer
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 CLIENT_GONE = "499"  # the client closed the connection before the answer ended
+AnswerRenderer = CompletionRenderer | ChatRenderer
 
 
 class Generation:
@@ -37,7 +38,7 @@ class Generation:
         span: Span,
         stack: contextlib.AsyncExitStack,
         engine: Engine,
-        renderer: Renderer,
+        renderer: AnswerRenderer,
         prompts: list[list[int]],
         params: SamplingParams,
         n: int,

@@ -20,6 +20,7 @@ from typing import Any
 from modelfleet.dataplane.server.dataplane import UNKNOWN_MODEL
 from modelfleet.dataplane.server.errors import ServerError, error_body
 from modelfleet.dataplane.server.settings import ServerSettings
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_PREFIX = "/v1/"
 
@@ -30,13 +31,13 @@ class _Refused(Exception):
 
 
 class RequestGuard:
-    def __init__(self, app, *, settings: ServerSettings, dataplane: Any) -> None:
+    def __init__(self, app: ASGIApp, *, settings: ServerSettings, dataplane: Any) -> None:
         self.app = app
         self.max_bytes = settings.max_request_body_bytes
         self.body_timeout = settings.body_timeout_seconds
         self.dataplane = dataplane
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -48,12 +49,12 @@ class RequestGuard:
             await _refuse(send, refused)
             return
 
-        async def replay() -> dict:
+        async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
 
-    def _authenticate(self, scope) -> None:
+    def _authenticate(self, scope: Scope) -> None:
         if not scope["path"].startswith(API_PREFIX):
             return
         keys = self.dataplane.keys
@@ -64,7 +65,7 @@ class RequestGuard:
             self._count(exc.status)
             raise _Refused(exc.status, exc.body(), exc.headers) from None
 
-    def _check_declared_length(self, scope) -> None:
+    def _check_declared_length(self, scope: Scope) -> None:
         declared = _header(scope, b"content-length")
         if declared is None:
             return
@@ -79,9 +80,9 @@ class RequestGuard:
         if length > self.max_bytes:
             self._too_large(length)
 
-    async def _read_body(self, receive) -> list[dict]:
+    async def _read_body(self, receive: Receive) -> list[Message]:
         """The request's body messages, read within the size and time limits."""
-        messages: list[dict] = []
+        messages: list[Message] = []
         size = 0
         deadline = time.monotonic() + self.body_timeout
         while True:
@@ -90,9 +91,9 @@ class RequestGuard:
             except TimeoutError:
                 self._count(408)
                 self.dataplane.metrics.client_timeouts.labels("body").inc()
-                message = f"request body: not received within {self.body_timeout:g} s; send it faster"
+                text = f"request body: not received within {self.body_timeout:g} s; send it faster"
                 raise _Refused(
-                    408, error_body(message, type_="invalid_request_error", code="request_timeout")
+                    408, error_body(text, type_="invalid_request_error", code="request_timeout")
                 ) from None
             messages.append(message)
             if message["type"] != "http.request":  # the client left: let the app hear it
@@ -116,20 +117,20 @@ class RequestGuard:
         self.dataplane.metrics.requests.labels(UNKNOWN_MODEL, "", str(status)).inc()
 
 
-def _header(scope, name: bytes) -> str | None:
+def _header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
             return value.decode("latin-1")
     return None
 
 
-def _joined(messages: list[dict]) -> list[dict]:
+def _joined(messages: list[Message]) -> list[Message]:
     """One message holding the whole body: the app reads it in one step."""
     body = b"".join(m.get("body", b"") for m in messages)
     return [{"type": "http.request", "body": body, "more_body": False}]
 
 
-async def _refuse(send, refused: _Refused) -> None:
+async def _refuse(send: Send, refused: _Refused) -> None:
     payload = json.dumps(refused.body).encode()
     headers = [
         (b"content-type", b"application/json"),

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from modelfleet.dataplane.engine.protocol import Engine
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -33,7 +34,7 @@ _LOAD_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 POD_WAITING_METRIC = "modelfleet_pod_requests_waiting"
 
-Engines = Callable[[], Iterable[tuple[str, str, Any]]]
+Engines = Callable[[], Iterable[tuple[str, str, Engine]]]
 AdmissionWaiting = Callable[[], dict[tuple[str, str], int]]
 
 

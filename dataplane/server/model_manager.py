@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -132,7 +132,7 @@ class ModelManager:
         with suppress(ModelUnavailable):
             await self._ensure_loaded(slot)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -195,7 +195,11 @@ class ModelManager:
         seconds = time.perf_counter() - started
         # An engine can die under us (its process, a tensor-parallel rank): it then calls this.
         loop = asyncio.get_running_loop()
-        engine.on_failure = lambda reason: loop.call_soon_threadsafe(self._engine_failed, slot, engine)
+
+        def failed(reason: str) -> None:
+            loop.call_soon_threadsafe(self._engine_failed, slot, engine)
+
+        engine.on_failure = failed
         slot.engine, slot.state, slot.load_seconds = engine, LoadState.LOADED, seconds
         slot.last_used = self.clock()
         self.on_state(slot)

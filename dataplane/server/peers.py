@@ -22,7 +22,7 @@ Resolver = Callable[[str], Awaitable[set[str]]]
 async def resolve_addresses(name: str) -> set[str]:
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-    return {info[4][0] for info in infos}
+    return {str(info[4][0]) for info in infos}
 
 
 class ReplicaCount:

@@ -138,7 +138,8 @@ def route(
     rng: random.Random | None = None,
 ) -> RouteDecision:
     """Pick the version for one request, plus the versions that get a shadow copy of it."""
-    rng = rng or random
+    uniform = rng.random if rng is not None else random.random
+    reason: Literal["pin", "sticky", "weighted"]
     if pinned is not None:
         if pinned not in table.versions:
             known = ", ".join(table.versions)
@@ -151,8 +152,8 @@ def route(
     elif key is not None:
         version, reason = sticky_choice(table, key), "sticky"
     else:
-        version, reason = weighted_choice(table, rng.random()), "weighted"
-    shadows = ()
+        version, reason = weighted_choice(table, uniform()), "weighted"
+    shadows: tuple[str, ...] = ()
     if table.shadows:
-        shadows = tuple(n for n, percent in table.shadows if n != version and rng.random() * 100 < percent)
+        shadows = tuple(n for n, percent in table.shadows if n != version and uniform() * 100 < percent)
     return RouteDecision(table.model, version, reason, shadows)
