@@ -1,15 +1,10 @@
-"""The server's wiring to its engines: limits read from `Engine.limits`, each request counted once, and
-the engine process's typed commands dispatched by type."""
+"""The server's wiring to its engines: limits read from `Engine.limits`, each request counted once."""
 
 from __future__ import annotations
 
 import httpx
-from modelfleet.dataplane.engine.engine_process import _apply
-from modelfleet.dataplane.engine.messages import Abort, Add, Close, Outputs, Refused
-from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
 from modelfleet.dataplane.engine.protocol import EngineLimits
 from modelfleet.dataplane.manifest import single_model_manifest
-from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.runtime import build_dataplane
 from modelfleet.dataplane.server.settings import ServerSettings
@@ -59,42 +54,3 @@ async def test_an_engine_failure_in_a_whole_answer_is_counted_once_under_its_ver
         assert get(total, {"model": "_unknown", "version": "", "status": "500"}) is None
     finally:
         await dp.close()
-
-
-class RecordingEngine:
-    """The child's side of an engine process: what `_apply` asks of the engine."""
-
-    def __init__(self) -> None:
-        self.added: list[tuple[str, list[int], int]] = []
-
-    def add_request(self, request_id, prompt, *, priority, validated) -> None:
-        if request_id == "bad":
-            raise ValueError("prompt: too long")
-        self.added.append((request_id, prompt, priority))
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        return RequestOutput(request_id, [], finish_reason="abort", finished=True)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(0, 0, 0.0, 0.0, 1, 1)
-
-
-class Pipe:
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def send(self, message: object) -> None:
-        self.sent.append(message)
-
-
-def test_the_engine_process_dispatches_each_command_on_its_type():
-    engine, pipe = RecordingEngine(), Pipe()
-    params = SamplingParams(max_tokens=2)
-    assert _apply(Add("a", [1, 2], 3, ([1, 2], params)), pipe, engine)
-    assert _apply(Add("bad", [1], 0, ([1], params)), pipe, engine)
-    assert _apply(Abort("a"), pipe, engine)
-    assert engine.added == [("a", [1, 2], 3)]
-    refused, aborted = pipe.sent
-    assert refused == Refused("bad", "prompt: too long")
-    assert isinstance(aborted, Outputs) and aborted.outputs[0].finish_reason == "abort"
-    assert not _apply(Close(), pipe, engine)  # the loop ends
