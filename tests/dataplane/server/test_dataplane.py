@@ -32,6 +32,9 @@ class Tokenizer:
     def __len__(self) -> int:
         return 50
 
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **extra) -> list[int]:
+        return self.encode("".join(f"{m['role']}:{m['content']};" for m in messages))
+
 
 class ScriptedEngine:
     """Emits one token per step; records the parameters it was given."""
@@ -420,3 +423,35 @@ def test_chat_logprobs_without_top_logprobs_ask_for_the_chosen_token_only():
         == 3
     )
     assert requested_logprobs(ChatCompletionRequest(model="m", messages=messages)) is None
+
+
+def test_a_default_max_tokens_shrinks_to_what_the_keys_token_rate_allows():
+    from modelfleet.dataplane.sampling_params import SamplingParams
+    from modelfleet.dataplane.server.checks import fit_default_max_tokens
+    from modelfleet.dataplane.server.protocol import ChatCompletionRequest
+
+    messages = [{"role": "user", "content": "hi"}]
+
+    def fitted(request, prompts, tpm, default=500) -> int:
+        params = SamplingParams(max_tokens=default)
+        fit_default_max_tokens(request, params, prompts, tpm)
+        return params.max_tokens
+
+    chat = ChatCompletionRequest(model="m", messages=messages)
+    assert fitted(chat, [[1] * 10], 100) == 90  # the rate's room after the prompt
+    assert fitted(chat, [[1] * 10], 100, default=40) == 40  # a smaller default stays
+    assert fitted(chat, [[1] * 10], 0) == 500  # no token rate: unchanged
+    assert fitted(chat, [[1] * 120], 100) == 1  # never below one
+    assert fitted(ChatCompletionRequest(model="m", messages=messages, n=2), [[1] * 10], 100) == 40
+    asked = ChatCompletionRequest(model="m", messages=messages, max_tokens=300)
+    assert fitted(asked, [[1] * 10], 100, default=300) == 300  # what the client asked for is kept
+
+
+async def test_a_chat_without_max_tokens_runs_within_its_keys_token_rate(dataplane):
+    from modelfleet.dataplane.server.auth import KeyLimits, Principal
+    from modelfleet.dataplane.server.protocol import ChatCompletionRequest
+
+    caller = RequestContext(principal=Principal("small", KeyLimits(tokens_per_minute=40)))
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    answer = await (await dataplane.chat(chat, caller)).response()
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 40
