@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 # Temperatures below this are greedy.
 GREEDY_EPSILON = 1e-5
 OUTPUT_KINDS = ("cumulative", "delta")
+STRUCTURED_KINDS = ("json_object", "json_schema")
 # Integers reach torch as int64: a value past this range would fail the whole batch's step, not just its
 # own request, so it is refused when the request is added.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -42,6 +43,9 @@ class SamplingParams:
     # Token id -> a value added to that token's logit before sampling (OpenAI's logit_bias). The engine
     # checks the ids against its vocabulary when the request is added.
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: ("json_object", "") or ("json_schema", the schema as JSON text). The engine
+    # compiles it into a grammar that masks the logits of every step (see engine/structured.py).
+    structured: tuple[str, str] | None = None
     # "cumulative": each output carries the whole text, token ids and logprobs so far. "delta": only what
     # is new (streaming servers: a step's outputs then cost the same at token 10 and at token 10,000).
     output_kind: str = "cumulative"
@@ -91,6 +95,15 @@ class SamplingParams:
         if self.logprobs is not None and bad_logprobs:
             raise ValueError(f"logprobs: {self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         self._validate_logit_bias()
+        if self.structured is not None and (
+            not isinstance(self.structured, tuple)
+            or len(self.structured) != 2
+            or self.structured[0] not in STRUCTURED_KINDS
+            or not isinstance(self.structured[1], str)
+        ):
+            raise ValueError(
+                f"structured: {self.structured!r} must be (kind, schema) with kind in {STRUCTURED_KINDS}"
+            )
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind: {self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
 
@@ -128,6 +141,7 @@ class SamplingParams:
             and self.logprobs is None
             and not self.has_penalties
             and not self.logit_bias
+            and self.structured is None
         )
 
     @property

@@ -21,6 +21,7 @@ from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput, request_output
 from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
+from modelfleet.dataplane.engine.structured import Grammars
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +73,10 @@ class PromptChecks:
                 f"{self.max_model_len} tokens (prompt plus output); shorten the prompt"
             )
         return token_ids, params
+
+
+def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
+    return any(s.seq.has_penalties or s.seq.grammar is not None for s in scheduled.scheduled)
 
 
 @dataclass
@@ -131,6 +136,7 @@ class LLMEngine(PromptChecks):
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self._grammars: Grammars | None = None  # made with the first structured request
 
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -209,6 +215,7 @@ class LLMEngine(PromptChecks):
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         token_ids, params = validated or self.validate(prompt, params)
+        grammar = self._grammar(params)
         seq = Sequence(
             request_id,
             token_ids,
@@ -217,6 +224,7 @@ class LLMEngine(PromptChecks):
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
         )
+        seq.grammar = grammar
         self.scheduler.add(seq)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         self._requests[request_id] = _RequestState(
@@ -227,6 +235,14 @@ class LLMEngine(PromptChecks):
             detokenize_each_step=stream or bool(params.stop),
             delta=params.output_kind == "delta",
         )
+
+    def _grammar(self, params: SamplingParams) -> object | None:
+        """The matcher of a structured request (compiled before anything is queued), else None."""
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(params.structured)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its KV blocks; returns its last output (None if unknown)."""
@@ -244,11 +260,17 @@ class LLMEngine(PromptChecks):
         scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         outputs: list[RequestOutput] = []
         launched = None
+        if scheduled is not None and self._launched is not None and _needs_host_tokens(scheduled):
+            # Penalties read the sequence's tokens on the host, a grammar must have followed them: the
+            # previous step's first.
+            outputs = self._process(*self._launched)
+            self._launched = None
+            # Those tokens may have ended sequences (an end-of-sequence token, a stop string): their
+            # blocks are freed, so they leave this step.
+            scheduled.scheduled = [
+                s for s in scheduled.scheduled if s.seq.status is not SequenceStatus.FINISHED
+            ]
         if scheduled is not None and not scheduled.is_empty:
-            if self._launched is not None and any(s.seq.has_penalties for s in scheduled.scheduled):
-                # Penalties read the sequence's tokens on the host: the previous step's first.
-                outputs = self._process(*self._launched)
-                self._launched = None
             launched = (scheduled, self.runner.launch(scheduled))
         if self._launched is not None:
             outputs += self._process(*self._launched)
@@ -276,6 +298,8 @@ class LLMEngine(PromptChecks):
             }
         requests = self._requests
         for seq in self.scheduler.update(scheduled, token_ids):
+            if seq.grammar is not None and seq.output_token_ids:
+                seq.grammar.accept_token(seq.output_token_ids[-1])
             state = requests[seq.request_id]
             if state.logprobs is not None:
                 state.logprobs.append((logprobs_by_id or {}).get(seq.request_id) or {})

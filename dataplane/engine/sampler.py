@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from modelfleet.dataplane.engine.sequence import Sequence
+from modelfleet.dataplane.engine.structured import apply_grammars
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Sampler:
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
+        if any(s.grammar is not None for s in seqs):
+            logits = apply_grammars(logits, seqs)
 
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)

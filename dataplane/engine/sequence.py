@@ -67,6 +67,8 @@ class Sequence:
         self.num_preemptions = 0
         # The sampler's random generator for a request with a seed (opaque here: no torch in this module).
         self.generator: object | None = None
+        # Structured output: the grammar matcher that masks this sequence's logits (engine/structured.py).
+        self.grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -42,6 +42,7 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
         "logprobs": logprobs,
         "ignore_eos": request.ignore_eos,
         "logit_bias": dict(request.logit_bias or {}),
+        "structured": fmt.structured() if (fmt := getattr(request, "response_format", None)) else None,
         # events carry only what is new; cumulative outputs would copy each request's whole text and
         # tokens (and, from an engine process, pickle them) on every step
         "output_kind": "delta",

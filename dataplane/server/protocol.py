@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -54,17 +55,38 @@ HARMLESS_FIELDS = frozenset(
 )
 
 
-class ResponseFormat(BaseModel):
+class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: str
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    # The output always follows the schema (a grammar masks every step), so strict or not is the same.
+    strict: bool | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"{value!r} is not supported; only 'text' (no structured output yet)")
-        return value
+
+class ResponseFormat(BaseModel):
+    """`text`, or JSON: any object (`json_object`) or one following a schema (`json_schema`), enforced
+    token by token by the engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: give it with type 'json_schema', and only then")
+        return self
+
+    def structured(self) -> tuple[str, str] | None:
+        """What the engine's SamplingParams.structured takes."""
+        if self.type == "json_object":
+            return ("json_object", "")
+        if self.type == "json_schema" and self.json_schema is not None:
+            return ("json_schema", json.dumps(self.json_schema.schema_))
+        return None
 
 
 class _Request(BaseModel):

@@ -1,0 +1,71 @@
+"""logit_bias and structured output through an engine in its own process (AsyncLLMProcess, as on a GPU
+server; here on the CPU): the parameters cross the pipe, the grammar is built in the child, and a schema
+the child cannot compile is still a 400."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
+from modelfleet.dataplane.manifest import ServingManifest
+from modelfleet.dataplane.server import loading
+from modelfleet.dataplane.server.settings import ServerSettings
+
+from .conftest import LiveServer, model_yaml
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"enum": [1, 2, 3]}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, openai.OpenAI]]:
+    patch = pytest.MonkeyPatch()
+    patch.setattr(loading, "torch_cuda_available", lambda: True)
+    version = f'{{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}'
+    live = LiveServer(
+        ServerSettings(), ServingManifest.from_yaml("models:\n" + model_yaml("tiny", version))
+    ).start()
+    try:
+        live.wait_ready()
+        assert isinstance(live.engine("tiny", "v1"), AsyncLLMProcess)
+        yield live, openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=60)
+    finally:
+        live.stop()
+        patch.undo()
+
+
+def test_structured_output_in_the_engine_process(client):
+    _, api = client
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    answer = api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a number"}], max_tokens=50, response_format=fmt
+    )
+    assert json.loads(answer.choices[0].message.content)["n"] in (1, 2, 3)
+    bad = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        api.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=5, response_format=bad
+        )
+
+
+def test_logit_bias_in_the_engine_process(client):
+    live, api = client
+    answer = api.completions.create(
+        model="tiny",
+        prompt="Once",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert answer.choices[0].text == live.engine("tiny", "v1").tokenizer.decode([42] * 4)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        api.completions.create(model="tiny", prompt="Once", max_tokens=2, logit_bias={"999999": 1})
