@@ -42,7 +42,8 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
         "logprobs": logprobs,
         "ignore_eos": request.ignore_eos,
         "logit_bias": dict(request.logit_bias or {}),
-        "structured": fmt.structured() if (fmt := getattr(request, "response_format", None)) else None,
+        # chat only: a response format, or the calls a tool_choice forces
+        "structured": request.structured() if hasattr(request, "structured") else None,
         # events carry only what is new; cumulative outputs would copy each request's whole text and
         # tokens (and, from an engine process, pickle them) on every step
         "output_kind": "delta",

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 def new_id(prefix: str) -> str:
@@ -206,6 +206,19 @@ class Tool(BaseModel):
     function: FunctionSpec
 
 
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -213,26 +226,39 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    # "auto" (the default with tools) or "none". "required" and a named function need decoding
-    # constrained to a call, which this server does not do yet: refused, not silently treated as "auto".
-    tool_choice: Literal["none", "auto"] | None = None
-    # Several calls in one answer are parsed whatever this says; without tools it means nothing.
+    # "auto" (the default with tools), "none", or forced: "required" (at least one call) or a named
+    # function. A forced choice constrains decoding to the calls' JSON (engine/structured.py).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # False: at most one call (enforced under a forced choice; with "auto" the model decides).
     parallel_tool_calls: bool | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def _supported_choice(cls, value: Any) -> Any:
-        if value == "required" or isinstance(value, dict):
-            raise ValueError(
-                f"{value!r} is not supported (it needs constrained decoding); send 'auto' or 'none'"
-            )
-        return value
+    def _one_choice(cls, value: Any) -> Any:
+        """One message naming the field, rather than one per branch of the union."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict):
+            try:
+                return NamedToolChoice.model_validate(value)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"{where}: {err['msg']}" if where else err["msg"]) from None
+        raise ValueError(f"{value!r} must be 'none', 'auto', 'required' or a named function")
 
     @model_validator(mode="after")
-    def _unique_tool_names(self) -> ChatCompletionRequest:
+    def _tools_make_sense(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or ()]
         if len(names) != len(set(names)):
             raise ValueError("tools: function names must be unique")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and not names:
+            raise ValueError("tool_choice: forces a call, but no tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice: names {self.tool_choice.function.name!r}, which is not in tools")
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format: cannot be combined with a tool_choice that forces a call")
         return self
 
     def offered_tools(self) -> set[str]:
@@ -240,6 +266,35 @@ class ChatCompletionRequest(_Request):
         if self.tool_choice == "none":
             return set()
         return {t.function.name for t in self.tools or ()}
+
+    def forced_tool(self) -> str | None:
+        """'*' when any call is forced ("required"), the function's name when one is named, else None."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "*" if self.tool_choice == "required" else None
+
+    def structured(self) -> tuple[str, str] | None:
+        """The engine's constraint (SamplingParams.structured): the response format's, or the forced calls'.
+        A named function: its arguments object. "required": a list of {"name", "parameters"} calls."""
+        forced = self.forced_tool()
+        if forced is None:
+            return self.response_format.structured() if self.response_format else None
+        specs = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or ()}
+        if forced != "*":
+            return ("json_schema", json.dumps(specs[forced]))
+        call = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in specs.items()
+        ]
+        calls: dict[str, Any] = {"type": "array", "items": {"anyOf": call}, "minItems": 1}
+        if self.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        return ("json_schema", json.dumps(calls))
 
 
 class Usage(BaseModel):

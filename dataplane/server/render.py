@@ -32,7 +32,7 @@ from modelfleet.dataplane.server.protocol import (
     Usage,
     new_id,
 )
-from modelfleet.dataplane.server.tools import ToolCall, ToolStream, parse_tool_calls
+from modelfleet.dataplane.server.tools import ToolCall, ToolStream, parse_forced, parse_tool_calls
 
 
 @dataclass
@@ -230,6 +230,7 @@ class ChatRenderer(Renderer):
     def __init__(self, request: Any) -> None:
         super().__init__(request)
         self.tool_names = request.offered_tools()
+        self.forced_tool = request.forced_tool()
         self.tool_streams: dict[int, ToolStream] = {}
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
@@ -274,7 +275,10 @@ class ChatRenderer(Renderer):
     def _choice(self, index: int, choice: _Choice, tokenizer: Any) -> ChatChoice:
         content: str | None = choice.text
         calls: list[ToolCall] = []
-        if self.tool_names:
+        if self.forced_tool is not None:
+            calls = parse_forced(choice.text, self.forced_tool, self.tool_names)
+            content = None if calls else choice.text
+        elif self.tool_names:
             content, calls = parse_tool_calls(choice.text, self.tool_names)
         return ChatChoice(
             index=index,
@@ -300,7 +304,7 @@ class ChatRenderer(Renderer):
         delta, finish_reason = ChatDelta(content=event.new_text), event.finish_reason
         if self.tool_names:
             # Text that may start a tool call is held back until the choice ends and shows what it is.
-            stream = self.tool_streams.setdefault(event.index, ToolStream(self.tool_names))
+            stream = self.tool_streams.setdefault(event.index, ToolStream(self.tool_names, self.forced_tool))
             delta.content = stream.feed(event.new_text)
             if event.finish_reason:
                 rest, calls = stream.finish()

@@ -95,15 +95,33 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolC
     return text, []
 
 
+def parse_forced(text: str, forced: str, names: set[str]) -> list[ToolCall]:
+    """The calls of an answer decoded under a forced tool_choice (a grammar made it JSON): for a named
+    function, its arguments object; for "required" ('*'), a list of {"name", "parameters"}. Nothing
+    when the JSON is cut short (max_tokens): the text then stays content."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    if forced != "*":
+        call = _call({"name": forced, "arguments": value}, names)
+        return [call] if call else []
+    if not isinstance(value, list):
+        return []
+    calls = [_call(item, names) for item in value]
+    return [c for c in calls if c is not None] if all(calls) else []
+
+
 class ToolStream:
     """A streamed answer split into content that can go out now, and text held back because it may be
     the start of a tool call (decided when the answer ends)."""
 
-    def __init__(self, names: set[str]) -> None:
+    def __init__(self, names: set[str], forced: str | None = None) -> None:
         self.names = names
+        self.forced = forced  # a forced tool_choice: the whole answer is the calls' JSON
         self.held = ""
         self.sent_any = False
-        self.in_call = False
+        self.in_call = forced is not None
 
     def feed(self, text: str) -> str:
         """The part of the new text that is content for sure."""
@@ -131,6 +149,9 @@ class ToolStream:
         held, self.held = self.held, ""
         if not held:
             return "", []
+        if self.forced is not None:
+            calls = parse_forced(held, self.forced, self.names)
+            return ("", calls) if calls else (held, [])
         content, calls = parse_tool_calls(held, self.names)
         if not calls:
             return held, []

@@ -94,7 +94,7 @@ def test_bad_logit_bias_is_a_400_naming_it(client, bias, says):
     ("extra", "field"),
     [
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the deprecated form of tools
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "always"}, "tool_choice"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"reasoning_effort": "high"}, "reasoning_effort"),
         ({"modalities": ["audio"]}, "modalities"),

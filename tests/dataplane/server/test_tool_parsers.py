@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from modelfleet.dataplane.server.tools import ToolStream, parse_tool_calls
+from modelfleet.dataplane.server.tools import ToolStream, parse_forced, parse_tool_calls
 
 NAMES = {"get_weather", "get_time"}
 
@@ -102,3 +102,18 @@ def test_streamed_plain_text_all_arrives_and_a_lookalike_is_released(size):
 def test_streamed_broken_call_comes_back_as_content():
     text = '{"name": "get_weather", "parameters": {"city": '
     assert stream(text, 3) == ("", text, [])
+
+
+def test_forced_answers_parse_as_calls_or_stay_content():
+    args = '{"city": "Paris"}'
+    (call,) = parse_forced(args, "get_weather", NAMES)
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    calls = parse_forced(
+        '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {}}]', "*", NAMES
+    )
+    assert [c.name for c in calls] == ["get_time", "get_weather"]
+    assert parse_forced('{"city": "Par', "get_weather", NAMES) == []  # cut short by max_tokens
+    assert parse_forced('[{"name": "rm_rf", "parameters": {}}]', "*", NAMES) == []
+    stream = ToolStream(NAMES, forced="get_weather")
+    assert stream.feed(args[:5]) == "" and stream.feed(args[5:]) == ""
+    assert [(c.name, c.arguments) for c in stream.finish()[1]] == [("get_weather", '{"city": "Paris"}')]

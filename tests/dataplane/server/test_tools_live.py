@@ -168,8 +168,11 @@ def test_earlier_calls_and_results_reach_the_template(served):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tool_choice": "any"}, "tool_choice"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "get_weather", "x": 1}}},
+            "tool_choice",
+        ),
         (
             {"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]},
             "tools.0.function.strict",
