@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,7 +74,18 @@ def serving_pods(fleet: Fleet) -> list[dict[str, Any]]:
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """The fleet's processes below this one. The fleet starts each pod's process in a session of its own,
+    which sets them apart from what other tests of the session leave running here (a multiprocessing
+    forkserver lives as long as the test process)."""
+    own_session = os.getsid(0)
+    found = set()
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if os.getsid(process.pid) != own_session:
+                found.add(process.pid)
+        except ProcessLookupError:
+            pass
+    return found
 
 
 def alive(pids: set[int]) -> set[int]:

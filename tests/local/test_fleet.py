@@ -211,13 +211,13 @@ def test_a_server_killed_mid_stream_breaks_that_stream_and_is_restarted(fleet):
     ((name, pid),) = replica_pids(fleet).items()
     api = client(fleet)
     with api.completions.with_streaming_response.create(
-        model=MODEL, prompt="Once", max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL, prompt="Once", max_tokens=185, stream=True, extra_body={"ignore_eos": True}
     ) as stream:
-        events = stream.parse()
-        next(events)
+        # Killed as soon as the stream has begun (its head is here): the tiny model writes its 185 tokens
+        # in well under a second, so a kill that waited for the first event could land after the last.
         os.kill(pid, signal.SIGKILL)
         with pytest.raises((openai.APIError, httpx.HTTPError)):
-            list(events)  # the rest never comes: the stream breaks off
+            list(stream.parse())  # the rest never comes: the stream breaks off
 
     def restarted() -> bool:
         pod = fleet.kube.get("v1", "Pod", "default", name)
