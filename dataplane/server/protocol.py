@@ -98,6 +98,11 @@ class _Request(BaseModel):
         found = _first_non_utf8(data, "")
         if found:
             raise ValueError(f"{found}: contains a lone surrogate; send valid UTF-8 text")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_harmless(cls, data: Any) -> Any:
         if isinstance(data, dict) and HARMLESS_FIELDS & data.keys():
             data = {k: v for k, v in data.items() if k not in HARMLESS_FIELDS}
         return data
