@@ -236,7 +236,7 @@ class LLMEngine(PromptChecks):
             delta=params.output_kind == "delta",
         )
 
-    def _grammar(self, params: SamplingParams) -> object | None:
+    def _grammar(self, params: SamplingParams) -> Any:
         """The matcher of a structured request (compiled before anything is queued), else None."""
         if params.structured is None:
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import Any
 
 from modelfleet.dataplane.sampling_params import SamplingParams
 
@@ -68,7 +69,7 @@ class Sequence:
         # The sampler's random generator for a request with a seed (opaque here: no torch in this module).
         self.generator: object | None = None
         # Structured output: the grammar matcher that masks this sequence's logits (engine/structured.py).
-        self.grammar: object | None = None
+        self.grammar: Any = None  # an xgrammar.GrammarMatcher (not imported here)
 
     @property
     def num_tokens(self) -> int:
