@@ -19,12 +19,13 @@ import os
 import sys
 import threading
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+# The OpenTelemetry SDK is imported where tracing is set up, not for logging: an engine process that only
+# logs starts without it.
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 LOG_FORMAT_ENV = "MODELFLEET_LOG_FORMAT"
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -43,6 +44,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        from opentelemetry import trace
+
         context = trace.get_current_span().get_span_context()
         if context.is_valid:
             entry["trace_id"] = format(context.trace_id, "032x")
@@ -88,6 +91,8 @@ def exporter_names() -> list[str]:
 
 
 def _exporter(name: str) -> SpanExporter:
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
     if name == "console":
         return ConsoleSpanExporter()
     # Imported only when asked for; it reads its own OTEL_EXPORTER_OTLP_* settings.
@@ -98,6 +103,11 @@ def _exporter(name: str) -> SpanExporter:
 
 def tracer_provider(service_name: str) -> TracerProvider:
     """A provider exporting where the OTEL_* variables say; OTEL_SERVICE_NAME overrides `service_name`."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
     names = exporter_names()
     if not names:
@@ -123,6 +133,8 @@ def install_tracing(service_name: str) -> TracerProvider | None:
             return _installed
         if not exporter_names():
             return None
+        from opentelemetry import trace
+
         _installed = tracer_provider(service_name)
         trace.set_tracer_provider(_installed)
         log.info("tracing %s to %s", service_name, ", ".join(exporter_names()))

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 
+import opentelemetry.trace
 import pytest
 from modelfleet.controlplane.core import telemetry as controlplane_telemetry
 from modelfleet.dataplane import observability
@@ -33,7 +34,7 @@ def installed_by(setup, monkeypatch) -> TracerProvider | None:
     """The provider a component's set-up makes global (None: it sets none)."""
     installed: list[TracerProvider] = []
     monkeypatch.setattr(observability, "_installed", None)
-    monkeypatch.setattr(observability.trace, "set_tracer_provider", installed.append)
+    monkeypatch.setattr(opentelemetry.trace, "set_tracer_provider", installed.append)
     setup()
     return installed[0] if installed else None
 
@@ -115,3 +116,17 @@ def test_text_logs_by_default(monkeypatch):
     logging.getLogger("modelfleet.test").warning("plain")
     assert stream.getvalue().rstrip().endswith("WARNING modelfleet.test: plain")
     assert root.level == logging.WARNING
+
+
+def test_logging_needs_no_tracing_sdk():
+    """An engine process only logs: configuring text or JSON logs imports nothing of OpenTelemetry's SDK."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from modelfleet.dataplane.observability import configure_logging; "
+        "configure_logging('info', json=False); import logging; logging.getLogger('x').info('hi'); "
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
