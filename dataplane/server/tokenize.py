@@ -9,7 +9,7 @@ from typing import Any
 
 from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.server.errors import BadRequest, ModelNotFound, ModelUnavailable
-from modelfleet.dataplane.server.protocol import ChatMessage
+from modelfleet.dataplane.server.protocol import ChatMessage, Tool
 from modelfleet.dataplane.server.render import chat_prompt_ids
 from modelfleet.dataplane.server.router import RouteError, route, split_model_field
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,6 +23,7 @@ class TokenizeRequest(BaseModel):
     model: str = Field(min_length=1)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: counted as the chat template prints them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -31,6 +32,8 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either `prompt` or `messages`, not both or neither")
+        if self.tools and self.messages is None:
+            raise ValueError("tools: only with `messages`")
         return self
 
 
@@ -64,7 +67,10 @@ async def tokenize(dataplane: Any, request: TokenizeRequest) -> TokenizeResponse
         tokenizer = engine.tokenizer
         if request.messages is not None:
             ids = chat_prompt_ids(
-                tokenizer, request.messages, add_generation_prompt=request.add_generation_prompt
+                tokenizer,
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                tools=request.tools,
             )
         elif len(request.prompt or "") > INLINE_CHARS:
             ids = await asyncio.to_thread(_encode, tokenizer, request.prompt, request.add_special_tokens)

@@ -9,6 +9,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
@@ -188,3 +189,15 @@ def test_what_is_not_supported_is_a_400(served, extra, param):
         client.chat.completions.create(model="tools", messages=ASK, max_tokens=5, extra_body=body)
     assert caught.value.body["param"] == param
     assert (param or "tools").split(".")[0] in caught.value.body["message"]
+
+
+def test_tokenize_counts_the_tools_the_template_prints(served):
+    engine, client = served
+    base = str(client.base_url).removesuffix("/v1/")
+    body = {"model": "tools", "messages": ASK}
+    plain = httpx.post(f"{base}/tokenize", json=body).json()
+    with_tools = httpx.post(f"{base}/tokenize", json={**body, "tools": [WEATHER]}).json()
+    shown = engine.tokenizer.apply_chat_template(
+        ASK, tools=[WEATHER], add_generation_prompt=True, tokenize=True
+    )
+    assert with_tools["count"] == len(shown["input_ids"]) > plain["count"]
