@@ -5,7 +5,8 @@ prompts), once with its bf16 weight and once as the engine's QuantizedLinear (in
 weights and per-token fp8 activations on GPUs with fp8); the relative error ||y_q - y|| / ||y|| is
 reported per layer kind and for the worst layer, with the error of the weights alone (the dequantized
 weight in bf16, so the activation quantization's share shows). End to end: the converter's own compare()
-of the quantized model against transformers in float32, on the tokenizer's ids and on varied ids.
+of the quantized model against transformers in float32, on the tokenizer's ids and on the validation's
+inputs, with the unquantized bf16 model measured the same way as the baseline.
 
     python bench/quant_error.py --preset llama-3.2-1b --device cuda --dtype fp8 --dtype int8
 
@@ -78,29 +79,34 @@ def per_layer(model: nn.Module, inputs: dict[str, list[torch.Tensor]], fmt: str)
     }
 
 
-def end_to_end(model_dir: Path, fmt: str, device: str) -> dict:
+def end_to_end(model_dir: Path, fmt: str, reference) -> dict:
+    """The converter's compare() of `fmt` against the float32 reference; fmt "bf16" is the unquantized
+    artifact in the serving dtype, the baseline of the quantized rows."""
     from modelfleet.converters import validate
-    from modelfleet.converters.candidates import quantized_candidate
+    from modelfleet.converters.candidates import quantized_candidate, torch_candidate
     from modelfleet.dataplane.quantization import quantize
 
     config = json.loads((model_dir / "config.json").read_text())
-    reference = validate.reference(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         artifact = Path(tmp)
         from safetensors.torch import load_file, save_file
 
-        tensors = {}
-        for shard in sorted(model_dir.glob("*.safetensors")):
-            tensors.update(load_file(shard))
-        out = {}
-        for name, tensor in tensors.items():
-            linear = name.endswith(".weight") and tensor.dim() == 2
-            if linear and "embed" not in name and "lm_head" not in name:
-                out[name], out[name + "_scale"] = quantize(tensor, fmt)
-            else:
-                out[name] = tensor
-        save_file(out, str(artifact / "model.safetensors"))
-        cand, info = quantized_candidate(artifact, model_dir, fmt, "bf16")
+        if fmt == "bf16":
+            cand, info = torch_candidate(model_dir, "bf16")
+        else:
+            tensors = {}
+            for shard in sorted(model_dir.glob("*.safetensors")):
+                tensors.update(load_file(shard))
+            out = {}
+            for name, tensor in tensors.items():
+                linear = name.endswith(".weight") and tensor.dim() == 2
+                if linear and "embed" not in name and "lm_head" not in name:
+                    out[name], out[name + "_scale"] = quantize(tensor, fmt)
+                else:
+                    out[name] = tensor
+            save_file(out, str(artifact / "model.safetensors"))
+            del tensors, out
+            cand, info = quantized_candidate(artifact, model_dir, fmt, "bf16")
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -146,8 +152,10 @@ def main() -> None:
     del model, inputs
     if args.device == "cuda":
         torch.cuda.empty_cache()
+    reference = validate.reference(Path(model_dir))
+    result["bf16"] = {"endToEnd": end_to_end(Path(model_dir), "bf16", reference)}
     for fmt in args.dtypes or ["int8", "fp8"]:
-        result[fmt]["endToEnd"] = end_to_end(Path(model_dir), fmt, args.device)
+        result[fmt]["endToEnd"] = end_to_end(Path(model_dir), fmt, reference)
     print(json.dumps(result))
 
 
