@@ -8,6 +8,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from modelfleet.converters.formats import ACCELERATORS
 from modelfleet.dataplane.errorbody import ErrorBody, ErrorDetail  # noqa: F401  (the one error shape)
+from modelfleet.dataplane.jsonpaths import first_bad_string
 from modelfleet.operator.api import STICKY_BY_PATTERN, Quantization, SourceFormat, TargetDtype, TargetFormat
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -44,25 +45,13 @@ StickyBy = Annotated[str, AfterValidator(_sticky_by)]
 INT32_MAX = 2**31 - 1
 
 
-def _nul_path(value: Any, path: str) -> str | None:
-    """Where a NUL character sits in a request body (PostgreSQL text cannot hold one), or None."""
-    if isinstance(value, str):
-        return path if "\x00" in value else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _nul_path(item, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
-    return None
-
-
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _no_nul(cls, data: Any) -> Any:
-        found = _nul_path(data, "")
+        found = first_bad_string(data, lambda text: "\x00" in text)
         if found:
             raise ValueError(f"{found}: contains a NUL character; remove it")
         return data

@@ -7,6 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+from modelfleet.dataplane.jsonpaths import first_bad_string, not_utf8
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -16,29 +17,6 @@ def new_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-
-def _first_non_utf8(value: Any, path: str) -> str | None:
-    """The path of the first string that cannot be encoded as UTF-8 (a lone surrogate from a JSON
-    escape such as \\ud800), or None. The tokenizer would fail on it deep inside a request."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = _first_non_utf8(item, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        if set(map(type, value)) <= {int}:  # token ids: nothing to check; passed over in C, not item by item
-            return None
-        for index, item in enumerate(value):
-            found = _first_non_utf8(item, f"{path}[{index}]")
-            if found:
-                return found
-    return None
 
 
 # Fields clients send that cannot change the answer: taken and dropped. Any other field this server does
@@ -95,7 +73,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _utf8_only(cls, data: Any) -> Any:
-        found = _first_non_utf8(data, "")
+        found = first_bad_string(data, not_utf8)
         if found:
             raise ValueError(f"{found}: contains a lone surrogate; send valid UTF-8 text")
         return data
