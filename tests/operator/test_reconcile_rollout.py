@@ -180,8 +180,11 @@ def test_unreadable_metrics_pause_the_step_and_it_resumes_after():
 
 def test_a_start_without_metrics_opens_its_window_at_the_first_readable_scrape():
     s = spec({"v1": 100, "v2": 0})
-    state = rollout.decide(s, None, T0, rollout.Observed(error="no running data-plane pod")).state
+    started_blind = rollout.decide(s, None, T0, rollout.Observed(error="no running data-plane pod"))
+    state = started_blind.state
     assert state["sample"] is None and split(state) == {"v1": 90, "v2": 10}
+    assert started_blind.message.endswith("(no metrics yet: no running data-plane pod)")
+    assert state["message"] == started_blind.message
     now = T0 + dt.timedelta(minutes=5)
     decision = rollout.decide(s, state, now, rollout.Observed(LATER, ok(500)))
     assert decision.action == "wait" and decision.state["sample"] == LATER
