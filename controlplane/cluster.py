@@ -1,8 +1,9 @@
 """The cluster client: the control plane's writes as Kubernetes objects, and live status for reads.
 
 `Cluster` is the interface the routes use. `KubernetesCluster` turns registry rows into objects
-(resources.py) and hands them to an `ObjectStore`: the Kubernetes API through the dynamic client with
-server-side apply, or anything else that stores dicts (tests). `NoCluster` runs the registry alone.
+(resources.py) and hands them to an `ObjectStore`: the Kubernetes API through the operator's client with
+server-side apply (one Kubernetes client for the two components), or anything else that stores dicts
+(tests). `NoCluster` runs the registry alone.
 """
 
 from __future__ import annotations
@@ -195,83 +196,47 @@ class KubernetesCluster:
             return []
 
 
-class DynamicStore:
-    """The Kubernetes API through the `kubernetes` dynamic client, writing with server-side apply."""
+class KubeStore:
+    """The Kubernetes API through the operator's client (`operator/kube.py`: one path table, server-side
+    apply), under the control plane's own field manager; its errors become the control plane's."""
 
     def __init__(self, api_client: Any) -> None:
-        self._api_client = api_client
-        self._client: Any = None
+        from modelfleet.operator.kube import Kube
 
-    @property
-    def client(self) -> Any:
-        # Discovery needs the API server: done on first use, so start-up does not hang on a cluster
-        # that is away, and its absence becomes one request's 502 instead of a crash.
-        if self._client is None:
-            from kubernetes import dynamic
-
-            self._client = self._call(lambda: dynamic.DynamicClient(self._api_client), "discover the API")
-        return self._client
-
-    def _resource(self, api_version: str, kind: str) -> Any:
-        from kubernetes.dynamic.exceptions import ResourceNotFoundError
-
-        try:
-            return self.client.resources.get(api_version=api_version, kind=kind)
-        except ResourceNotFoundError:
-            raise ClusterUnavailable(
-                f"the cluster does not serve {kind} ({api_version}); install the modelfleet CRDs (charts/)"
-            ) from None
+        self.kube = Kube(api_client, field_manager=resources.FIELD_MANAGER)
 
     def apply(self, body: dict[str, Any]) -> None:
-        resource = self._resource(body["apiVersion"], body["kind"])
-        namespace = body["metadata"].get("namespace")
-        self._call(
-            lambda: self.client.server_side_apply(
-                resource,
-                body=body,
-                namespace=namespace,
-                field_manager=resources.FIELD_MANAGER,
-                force_conflicts=True,
-            ),
-            f"apply {body['kind']} {body['metadata']['name']}",
-        )
+        what = f"apply {body['kind']} {body['metadata']['name']}"
+        self._call(lambda: self.kube.apply(body), what, kind=body["kind"])
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None) -> None:
-        resource = self._resource(api_version, kind)
-        self._call(
-            lambda: resource.delete(name=name, namespace=namespace), f"delete {kind} {name}", missing_ok=True
-        )
+        self._call(lambda: self.kube.delete(api_version, kind, namespace, name), f"delete {kind} {name}")
 
-    def get(self, api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-        resource = self._resource(api_version, kind)
-        found = self._call(
-            lambda: resource.get(name=name, namespace=namespace), f"get {kind} {name}", missing_ok=True
-        )
-        return found.to_dict() if found is not None else None
+    def get(self, api_version: str, kind: str, name: str, namespace: str | None) -> dict[str, Any] | None:
+        return self._call(lambda: self.kube.get(api_version, kind, namespace, name), f"get {kind} {name}")
 
     def list(
         self, api_version: str, kind: str, namespace: str, labels: dict[str, str]
     ) -> list[dict[str, Any]]:
-        resource = self._resource(api_version, kind)
-        selector = ",".join(f"{key}={value}" for key, value in labels.items()) or None
-        found = self._call(lambda: resource.get(namespace=namespace, label_selector=selector), f"list {kind}")
-        return [item.to_dict() for item in found.items]
+        return self._call(lambda: self.kube.list(api_version, kind, namespace, labels), f"list {kind}")
 
     @staticmethod
-    def _call(action: Any, what: str, *, missing_ok: bool = False) -> Any:
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
+    def _call(action: Any, what: str, *, kind: str = "") -> Any:
+        from modelfleet.operator.kube import KubeError
 
         try:
             return action()
-        except ApiException as exc:
-            if missing_ok and exc.status == 404:
-                return None
+        except KubeError as exc:
             if exc.status == 409:
                 raise ClusterConflict(f"Kubernetes refused to {what}: it changed meanwhile") from None
-            raise ClusterUnavailable(f"Kubernetes refused to {what}: {exc.status} {exc.reason}") from None
-        except HTTPError as exc:
-            raise ClusterUnavailable(f"Kubernetes unreachable while trying to {what}: {exc}") from None
+            if exc.status == 0:
+                raise ClusterUnavailable(f"Kubernetes unreachable while trying to {what}: {exc}") from None
+            if exc.status == 404 and kind in ("InferenceModel", "ModelVersion"):
+                raise ClusterUnavailable(
+                    f"the cluster does not serve {kind} ({API_VERSION}); "
+                    "install the modelfleet CRDs (charts/)"
+                ) from None
+            raise ClusterUnavailable(f"Kubernetes refused to {what}: {exc}") from None
 
 
 def in_cluster() -> bool:
@@ -313,4 +278,4 @@ def connect(settings: Settings) -> Cluster:
         raise ClusterUnavailable(
             "MODELFLEET_CONTROLPLANE_CLUSTER=kubernetes but no kubeconfig or in-cluster credentials found"
         )
-    return KubernetesCluster(DynamicStore(api_client), where=where)
+    return KubernetesCluster(KubeStore(api_client), where=where)

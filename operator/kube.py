@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import urllib3
 from kubernetes import client
 from modelfleet.operator.api import API_VERSION
 from modelfleet.operator.reconcile.names import FIELD_MANAGER
@@ -27,7 +28,14 @@ PLURALS = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (API_VERSION, "InferenceModel"): "inferencemodels",
     (API_VERSION, "ModelVersion"): "modelversions",
+    # What the control plane writes for a tenant.
+    ("v1", "Namespace"): "namespaces",
+    ("v1", "Secret"): "secrets",
+    ("v1", "ResourceQuota"): "resourcequotas",
+    # Applied by the end-to-end tests through this client before anything else.
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
 }
+CLUSTER_SCOPED = frozenset({"Namespace", "CustomResourceDefinition"})
 TIMEOUT = 30
 APPLIED = "modelfleet.dev/applied"  # annotation: a digest of what the operator last applied
 
@@ -44,18 +52,24 @@ class KubeError(RuntimeError):
         return self.status in (0, 409, 429) or self.status >= 500
 
 
-def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
     plural = PLURALS[(api_version, kind)]
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    path = f"{base}/namespaces/{namespace}/{plural}"
+    path = f"{base}/{plural}" if kind in CLUSTER_SCOPED else f"{base}/namespaces/{namespace}/{plural}"
     return f"{path}/{name}" if name else path
 
 
 class Kube:
     def __init__(
-        self, api_client: client.ApiClient | None = None, on_request: Callable[[str], None] | None = None
+        self,
+        api_client: client.ApiClient | None = None,
+        on_request: Callable[[str], None] | None = None,
+        field_manager: str = FIELD_MANAGER,
     ) -> None:
+        """`field_manager`: who server-side applies (the control plane, which shares this client, is
+        another manager than the operator)."""
         self.api = api_client or client.ApiClient()
+        self.field_manager = field_manager
         self.on_request = on_request  # called with the HTTP method of each request (the operator counts them)
         self._journal = threading.local()
 
@@ -102,13 +116,13 @@ class Kube:
             raw = response.read()
         except client.ApiException as exc:
             raise KubeError(exc.status or 0, _message(exc.status or 0, exc.body, str(exc.reason))) from None
-        except OSError as exc:  # connection refused, DNS, TLS: the API server is not reachable
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # refused, DNS, TLS, retries: unreachable
             raise KubeError(0, f"{method} {path}: {exc}") from None
         if not 200 <= response.status < 300:
             raise KubeError(response.status, _message(response.status, raw, f"{method} {path}"))
         return json.loads(raw) if raw else {}
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
             return self._note(self._call("GET", resource_path(api_version, kind, namespace, name)))
         except KubeError as exc:
@@ -168,13 +182,13 @@ class Kube:
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply with our one field manager; force takes over fields we used to share."""
         meta = obj["metadata"]
-        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = [("fieldManager", self.field_manager), ("force", "true")]
         return self._note(
             self._call("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
         )
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+    def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         """Delete if present; False when it was already gone."""
         try:
             self._call(

@@ -25,7 +25,7 @@ from modelfleet.controlplane import cluster as cp_cluster
 from modelfleet.controlplane.models import Model, ModelVersion, Tenant
 from modelfleet.operator import handlers, kube, preflight, sync
 from modelfleet.operator.api import API_VERSION
-from modelfleet.operator.kube import Kube, KubeError
+from modelfleet.operator.kube import PLURALS, Kube, KubeError
 from modelfleet.operator.metrics_source import MetricsSource, ScrapeError
 from modelfleet.operator.settings import OperatorSettings
 
@@ -210,22 +210,17 @@ def operator_needs() -> list[Need]:
 
 
 class RecordingStore(MemoryStore):
-    """The control plane's store, turning each call into the request DynamicStore would send."""
+    """The control plane's store, turning each call into the request KubeStore would send."""
 
-    PLURALS = {
-        ("v1", "Namespace"): "namespaces",
-        ("v1", "ResourceQuota"): "resourcequotas",
-        ("v1", "Secret"): "secrets",
-        (API_VERSION, "InferenceModel"): "inferencemodels",
-        (API_VERSION, "ModelVersion"): "modelversions",
-    }
+    # The kinds the control plane writes, by name: the rest of the client's path table is the operator's.
+    KINDS = frozenset({"Namespace", "ResourceQuota", "Secret", "InferenceModel", "ModelVersion"})
 
     def __init__(self) -> None:
         super().__init__()
         self.needs: list[Need] = []
 
     def _need(self, verb: str, api_version: str, kind: str, namespace: str | None, name: str | None) -> str:
-        plural = self.PLURALS.get((api_version, kind))
+        plural = PLURALS.get((api_version, kind)) if kind in self.KINDS else None
         assert plural, f"the control plane touches {kind} ({api_version}): add it here and to its RBAC"
         resource = _resource(api_version, plural)
         self.needs.append((verb, resource, namespace, name))

@@ -1,5 +1,5 @@
-"""The Kubernetes cluster client through the real `kubernetes` dynamic client, against kmock's emulated
-API server: discovery, server-side apply, reads and deletes over HTTP, no cluster needed."""
+"""The control plane's cluster client (the operator's `Kube` under the control plane's field manager),
+against kmock's emulated API server: server-side apply, reads and deletes over HTTP, no cluster needed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from controlplane_factories import ADMIN, Factory, make_settings
 from fastapi.testclient import TestClient
 from kubernetes import client as k8s
-from modelfleet.controlplane.cluster import DynamicStore, KubernetesCluster
+from modelfleet.controlplane.cluster import KubernetesCluster, KubeStore
 from modelfleet.controlplane.main import create_app
 
 IM = "modelfleet.dev/v1alpha1/inferencemodels"
@@ -83,7 +83,7 @@ async def test_writes_reach_the_api_server_as_objects(kmock, tmp_path):
         kmock.resources[resource] = {"kind": kind, "namespaced": namespaced}
     config = k8s.Configuration()
     config.host = str(kmock.url).rstrip("/")
-    cluster = KubernetesCluster(DynamicStore(k8s.ApiClient(config)), where="(kmock)")
+    cluster = KubernetesCluster(KubeStore(k8s.ApiClient(config)), where="(kmock)")
     app = create_app(make_settings(f"sqlite:///{tmp_path}/cp.db"), cluster=cluster)
 
     def through_the_api() -> str:

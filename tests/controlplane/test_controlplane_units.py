@@ -5,26 +5,26 @@ from __future__ import annotations
 import argparse
 import logging
 import uuid
-from types import SimpleNamespace
 
 import pytest
-import urllib3
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from controlplane_factories import MemoryStore, make_settings
 from fastapi.testclient import TestClient
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client as k8s_client
 from modelfleet.controlplane import cluster as cluster_module
 from modelfleet.controlplane import resources
 from modelfleet.controlplane.cli import add_parser
-from modelfleet.controlplane.cluster import DynamicStore, KubernetesCluster, NoCluster
+from modelfleet.controlplane.cluster import KubernetesCluster, KubeStore, NoCluster
 from modelfleet.controlplane.core import db, security
 from modelfleet.controlplane.core.config import DEV_ADMIN_KEY, Settings
 from modelfleet.controlplane.errors import ClusterConflict, ClusterUnavailable
 from modelfleet.controlplane.main import create_app
 from modelfleet.controlplane.models import Base, Model, ModelVersion, Tenant
 from modelfleet.controlplane.resources import FIELD_MANAGER
+from modelfleet.operator.kube import Kube, KubeError, resource_path
+from modelfleet.operator.reconcile.names import FIELD_MANAGER as OPERATOR_MANAGER
 from modelfleet.operator.validation import validate_inference_model, validate_model_version
 from pydantic import ValidationError
 from sqlalchemy import inspect
@@ -217,68 +217,77 @@ def test_command_migrates_a_sqlite_file(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "cli.db").stat().st_size > 0
 
 
-class FakeResource:
-    def __init__(self, kind: str, fail: ApiException | None = None) -> None:
-        self.kind, self.fail, self.calls = kind, fail, []
+class FakeKube:
+    """Stands in for the operator's Kube: records calls, or fails with a KubeError of one status."""
 
-    def get(self, **kwargs):
-        self.calls.append(("get", kwargs))
-        if self.fail:
-            raise self.fail
-        return SimpleNamespace(to_dict=lambda: {"kind": self.kind, **kwargs})
+    def __init__(self, status: int | None = None) -> None:
+        self.status = status
+        self.calls: list[tuple] = []
 
-    def delete(self, **kwargs):
-        self.calls.append(("delete", kwargs))
-        if self.fail:
-            raise self.fail
+    def _maybe_fail(self) -> None:
+        if self.status is not None:
+            raise KubeError(self.status, f"HTTP {self.status}")
 
+    def apply(self, body):
+        self.calls.append(("apply", body))
+        self._maybe_fail()
+        return body
 
-class FakeDynamicClient:
-    """Just enough of kubernetes.dynamic.DynamicClient to see what DynamicStore asks of it."""
+    def get(self, api_version, kind, namespace, name):
+        self.calls.append(("get", api_version, kind, namespace, name))
+        self._maybe_fail()
+        return {"kind": kind, "name": name, "namespace": namespace}
 
-    def __init__(self, fail: ApiException | None = None) -> None:
-        self.resource = FakeResource("Secret", fail)
-        self.applied: list[dict] = []
-        self.resources = SimpleNamespace(get=lambda api_version, kind: self.resource)
-
-    def server_side_apply(self, resource, body, namespace, field_manager, force_conflicts):
-        if resource.fail:
-            raise resource.fail
-        self.applied.append(
-            {"body": body, "namespace": namespace, "manager": field_manager, "force": force_conflicts}
-        )
+    def delete(self, api_version, kind, namespace, name):
+        self.calls.append(("delete", api_version, kind, namespace, name))
+        self._maybe_fail()
+        return True
 
 
-def _store(fail: ApiException | None = None) -> DynamicStore:
-    store = DynamicStore(api_client=None)
-    store._client = FakeDynamicClient(fail)
+def _store(status: int | None = None) -> KubeStore:
+    store = KubeStore(api_client=k8s_client.ApiClient())
+    store.kube = FakeKube(status)
     return store
 
 
-def test_dynamic_store_applies_server_side_with_our_field_manager():
+def test_the_cluster_client_is_the_operators_with_our_field_manager():
+    store = KubeStore(api_client=k8s_client.ApiClient())
+    assert isinstance(store.kube, Kube) and store.kube.field_manager == FIELD_MANAGER != OPERATOR_MANAGER
+
+
+def test_kube_store_passes_calls_on_in_the_operators_argument_order():
     store = _store()
     body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": "ns"}}
     store.apply(body)
-    assert store.client.applied == [
-        {"body": body, "namespace": "ns", "manager": FIELD_MANAGER, "force": True}
-    ]
     assert store.get("v1", "Secret", "s", "ns") == {"kind": "Secret", "name": "s", "namespace": "ns"}
+    store.delete("v1", "Namespace", "team", None)
+    assert store.kube.calls == [
+        ("apply", body),
+        ("get", "v1", "Secret", "ns", "s"),
+        ("delete", "v1", "Namespace", None, "team"),
+    ]
 
 
-def test_dynamic_store_maps_api_errors():
-    assert _store(ApiException(status=404, reason="Not Found")).get("v1", "Secret", "s", "ns") is None
-    _store(ApiException(status=404, reason="Not Found")).delete(
-        "v1", "Secret", "s", "ns"
-    )  # already gone: fine
+def test_kube_store_maps_api_errors():
     body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": "ns"}}
     with pytest.raises(ClusterConflict):
-        _store(ApiException(status=409, reason="Conflict")).apply(body)
-    with pytest.raises(ClusterUnavailable, match="403 Forbidden"):
-        _store(ApiException(status=403, reason="Forbidden")).apply(body)
+        _store(409).apply(body)
+    with pytest.raises(ClusterUnavailable, match="HTTP 403"):
+        _store(403).apply(body)
     with pytest.raises(ClusterUnavailable, match="unreachable"):
-        _store(urllib3.exceptions.MaxRetryError(None, "/api", "connection refused")).get(
-            "v1", "Secret", "s", "ns"
-        )
+        _store(0).get("v1", "Secret", "s", "ns")
+    crd_missing = {
+        "apiVersion": "modelfleet.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "m"},
+    }
+    with pytest.raises(ClusterUnavailable, match="install the modelfleet CRDs"):
+        _store(404).apply(crd_missing)
+
+
+def test_cluster_scoped_kinds_have_no_namespace_in_their_path():
+    assert resource_path("v1", "Namespace", None, "team") == "/api/v1/namespaces/team"
+    assert resource_path("v1", "Secret", "team", "k") == "/api/v1/namespaces/team/secrets/k"
 
 
 KUBECONFIG = """
@@ -308,3 +317,11 @@ def test_connect_picks_the_cluster_from_the_settings(tmp_path):
     path.write_text("clusters: [")
     with pytest.raises(ClusterUnavailable, match="kubeconfig"):
         cluster_module.connect(make_settings("sqlite://", cluster="kubernetes", kubeconfig=str(path)))
+
+
+def test_the_crds_apply_through_the_one_client():
+    """The end-to-end tests install crds/ through the control plane's store before anything else."""
+    assert (
+        resource_path("apiextensions.k8s.io/v1", "CustomResourceDefinition", None, "x.modelfleet.dev")
+        == "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/x.modelfleet.dev"
+    )

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def live(tmp_path) -> Iterator[tuple[TestClient, cluster_module.DynamicStore]]:
+def live(tmp_path) -> Iterator[tuple[TestClient, cluster_module.KubeStore]]:
     settings = make_settings(
         f"sqlite:///{tmp_path}/cp.db", cluster="kubernetes", kubeconfig=os.environ["KUBECONFIG"]
     )
