@@ -32,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", help="address to listen on (default 0.0.0.0, or MODELFLEET_HOST)")
     parser.add_argument("--port", type=int, help="port (default 8000, or MODELFLEET_PORT)")
+    parser.add_argument(
+        "--grpc-port", type=int, help="also serve the gRPC API on this port (default off, or MODELFLEET_GRPC_PORT)"
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=handle)
 
@@ -63,7 +66,8 @@ def handle(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
         settings = ServerSettings()
-        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        given = (("host", args.host), ("port", args.port), ("grpc_port", args.grpc_port))
+        overrides = {k: v for k, v in given if v is not None}
         settings = settings.model_copy(update=overrides)
         if args.manifest is not None:
             manifest_path = args.manifest
@@ -83,6 +87,8 @@ def handle(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     print(f"modelfleet serve: http://{settings.host}:{settings.port}/v1 ({len(manifest.models)} model(s))")
+    if settings.grpc_port:
+        print(f"modelfleet serve: gRPC {settings.host}:{settings.grpc_port} (modelfleet.v1.Inference)")
     uvicorn.Server(uvicorn_config(app, settings, log_level=args.log_level)).run()
     return 0
 

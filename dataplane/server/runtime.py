@@ -81,9 +81,19 @@ def build_app(
                 on_result=lambda result: dataplane.metrics.manifest_reloads.labels(result).inc(),
             )
             watcher.start()
+        grpc_server = None
+        if settings.grpc_port:
+            # Imported only when enabled; its server runs on this (uvicorn's) event loop.
+            from modelfleet.dataplane.server.grpc.service import GrpcServer
+
+            grpc_server = GrpcServer(dataplane, settings.host, settings.grpc_port)
+            await grpc_server.start()
+            app.state.grpc_port = grpc_server.port
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop()
             if watcher is not None:
                 await watcher.stop()
             await dataplane.replicas.stop()

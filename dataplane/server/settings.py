@@ -13,6 +13,12 @@ class ServerSettings(BaseSettings):
 
     host: str = Field(default="0.0.0.0", description="address the server listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="port the server listens on")
+    grpc_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="port of the gRPC API (service modelfleet.v1.Inference, on the same address); 0: no gRPC",
+    )
     manifest: Path | None = Field(
         default=None, description="the serving manifest (models and versions) the server follows"
     )
