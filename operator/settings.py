@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -54,6 +54,12 @@ class OperatorSettings(BaseSettings):
     dataplane_image_pull_secrets: str = Field(default="", description="comma-separated Secret names")
     dataplane_api_keys_secret: str = Field(default="", description="Secret with the data plane's API keys")
     dataplane_port: int = Field(default=8000, ge=1, le=65535, description="port the data-plane pods serve on")
+    dataplane_grpc_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="port of the data-plane pods' gRPC API (container and Service port 'grpc'); 0: no gRPC",
+    )
     dataplane_termination_grace_seconds: int = Field(
         default=120, ge=1, description="long enough for the longest stream to finish"
     )
@@ -101,6 +107,15 @@ class OperatorSettings(BaseSettings):
         default="modelfleet-models", description="PersistentVolumeClaim of the model store, in each namespace"
     )
     model_store_path: str = Field(default="/models", description="where the model store is mounted in pods")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> OperatorSettings:
+        if self.dataplane_grpc_port == self.dataplane_port:
+            raise ValueError(
+                f"MODELFLEET_DATAPLANE_GRPC_PORT {self.dataplane_grpc_port} is the HTTP port; "
+                "pick another, or 0 for no gRPC"
+            )
+        return self
 
     @property
     def namespaces(self) -> list[str]:

@@ -209,6 +209,7 @@ def base_venv(base_install) -> Path:
 OPTIONAL_TOOLS = {
     "triton": "comes with the CUDA builds of torch; the GPU kernels need it",
     "tensorrt": "TensorRT engines only; a missing one is the converter's exit 3",
+    "grpc_tools": "compiles the gRPC .proto in a source checkout; a wheel carries it compiled",
 }
 
 # Run in the base venv: what is installed and what imports, in one process (torch is imported once).

@@ -120,6 +120,8 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
     # there may be: a key never gets more than its limit, but less while the model is scaled in.
     replicas = spec.replicas.max if autoscaled(spec) else max(spec.replicas.min, 1)
     env.append({"name": "MODELFLEET_REPLICAS", "value": str(replicas)})
+    if settings.dataplane_grpc_port:
+        env.append({"name": "MODELFLEET_GRPC_PORT", "value": str(settings.dataplane_grpc_port)})
     return env
 
 
@@ -171,7 +173,7 @@ def deployment(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorS
         "imagePullPolicy": settings.dataplane_image_pull_policy,
         "command": ["modelfleet", "serve"],
         "args": ["--manifest", f"{MANIFEST_DIR}/{MANIFEST_FILE}", "--port", str(settings.dataplane_port)],
-        "ports": [{"name": "http", "containerPort": settings.dataplane_port, "protocol": "TCP"}],
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in _named_ports(settings)],
         "env": _env(im, spec, settings),
         "resources": {"requests": requests, "limits": limits},
         # /health answers as soon as the server runs; /ready only once the versions it serves are loaded.
@@ -245,10 +247,21 @@ def service(im: dict[str, Any], settings: OperatorSettings) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": names.selector_labels(model),
             "ports": [
-                {"name": "http", "port": settings.dataplane_port, "targetPort": "http", "protocol": "TCP"}
+                {"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
+                # h2c: gRPC without TLS, so that meshes and gateways route it as HTTP/2
+                | ({"appProtocol": "kubernetes.io/h2c"} if n == "grpc" else {})
+                for n, p in _named_ports(settings)
             ],
         },
     }
+
+
+def _named_ports(settings: OperatorSettings) -> list[tuple[str, int]]:
+    """HTTP always; gRPC when the data plane serves it."""
+    ports = [("http", settings.dataplane_port)]
+    if settings.dataplane_grpc_port:
+        ports.append(("grpc", settings.dataplane_grpc_port))
+    return ports
 
 
 def endpoint(im: dict[str, Any], settings: OperatorSettings) -> str:
