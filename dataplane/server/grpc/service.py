@@ -292,9 +292,13 @@ class GrpcServer:
             options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)]
         )
         self.server.add_generic_rpc_handlers((InferenceService(dataplane).handler(),))
-        self.port = self.server.add_insecure_port(f"{_bracketed(host)}:{port}")
+        address = f"{_bracketed(host)}:{port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises here, older versions return 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"gRPC: cannot listen on {host}:{port}")
+            raise OSError(f"gRPC: cannot listen on {address} (in use?); set MODELFLEET_GRPC_PORT to another")
 
     async def start(self) -> None:
         await self.server.start()

@@ -119,6 +119,8 @@ def test_no_or_wrong_key_is_unauthenticated(server, metadata):
         rpc(server, "Completion")(greedy(), metadata=metadata)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "API key" in info.value.details()
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'modelfleet_requests_total{model="_unknown",status="401",version=""}' in metrics
 
 
 def test_unknown_model_is_not_found_with_the_http_message(server):
@@ -154,6 +156,22 @@ def test_a_cancelled_stream_frees_its_request(server):
     assert wait_until(lambda: engine.stats().num_running == 0, 10), "the engine still runs the request"
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'modelfleet_requests_total{model="tiny",status="499",version="v1"}' in metrics
+
+
+def test_a_cancelled_unary_call_frees_its_request(server):
+    engine = server.engine("tiny", "v1")
+    request = greedy("tiny@v1", max_tokens=400, extra_json='{"ignore_eos": true}')
+    future = rpc(server, "Completion").future(request, metadata=KEY)
+    assert wait_until(lambda: engine.stats().num_running == 1, 10)
+    future.cancel()
+    assert wait_until(lambda: engine.stats().num_running == 0, 10), "the engine still runs the request"
+
+
+def test_a_taken_port_is_a_clear_error(server):
+    from modelfleet.dataplane.server.grpc.service import GrpcServer
+
+    with pytest.raises(OSError, match="in use"):
+        GrpcServer(server.dataplane, "127.0.0.1", server.dataplane.settings.grpc_port)
 
 
 def test_over_a_keys_limit_is_resource_exhausted_with_retry_after(server):
