@@ -16,6 +16,7 @@ from modelfleet.local.mounts import Mounts, configmap_volumes, container_env, po
 from modelfleet.local.store import LocalKube
 from modelfleet.operator.reconcile.conditions import now_rfc3339
 from modelfleet.operator.reconcile.conversion import PVC_ROOT
+from modelfleet.operator.reconcile.names import owner_reference
 
 POD_IP = "127.0.0.1"  # every pod's address: nothing listens beyond loopback
 
@@ -36,16 +37,7 @@ def pod_object(owner: dict[str, Any], template: dict[str, Any], name: str, label
             "name": name,
             "namespace": meta["namespace"],
             "labels": {**(template.get("metadata") or {}).get("labels", {}), **labels},
-            "ownerReferences": [
-                {
-                    "apiVersion": owner["apiVersion"],
-                    "kind": owner["kind"],
-                    "name": meta["name"],
-                    "uid": meta["uid"],
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": [owner_reference(owner)],
         },
         "spec": copy.deepcopy(template.get("spec") or {}),
         "status": {"phase": "Pending"},
