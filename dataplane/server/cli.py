@@ -33,7 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", help="address to listen on (default 0.0.0.0, or MODELFLEET_HOST)")
     parser.add_argument("--port", type=int, help="port (default 8000, or MODELFLEET_PORT)")
     parser.add_argument(
-        "--grpc-port", type=int, help="also serve the gRPC API on this port (default off, or MODELFLEET_GRPC_PORT)"
+        "--grpc-port",
+        type=int,
+        help="also serve the gRPC API on this port (default off, or MODELFLEET_GRPC_PORT)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.set_defaults(func=handle)
