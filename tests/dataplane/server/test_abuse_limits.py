@@ -118,11 +118,11 @@ def test_token_id_prompts_are_checked_for_text_quickly():
     """The check for lone surrogates walked every token id of a prompt in Python (0.3 s for the 1.3
     million ids of an 8 MB body, on the event loop); lists of ids are passed over in C now, and a
     surrogate after them is still found."""
-    from modelfleet.dataplane.server.protocol import _first_non_utf8
+    from modelfleet.dataplane.jsonpaths import first_bad_string, not_utf8
 
     data = {"model": "tiny", "prompt": [[1000] * 50_000] * 26}
     started = time.perf_counter()
-    assert _first_non_utf8(data, "") is None
+    assert first_bad_string(data, not_utf8) is None
     assert time.perf_counter() - started < 0.15
     data["prompt"].append([1, 2, "\ud800"])
-    assert _first_non_utf8(data, "") == "prompt[26][2]"
+    assert first_bad_string(data, not_utf8) == "prompt[26][2]"

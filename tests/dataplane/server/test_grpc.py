@@ -3,6 +3,7 @@ same facade, with a real grpcio client."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -170,8 +171,11 @@ def test_a_cancelled_unary_call_frees_its_request(server):
 def test_a_taken_port_is_a_clear_error(server):
     from modelfleet.dataplane.server.grpc.service import GrpcServer
 
-    with pytest.raises(OSError, match="in use"):
+    async def build() -> None:  # grpc.aio builds its server on the running loop, as the lifespan does
         GrpcServer(server.dataplane, "127.0.0.1", server.dataplane.settings.grpc_port)
+
+    with pytest.raises(OSError, match="in use"):
+        asyncio.run(build())
 
 
 def test_over_a_keys_limit_is_resource_exhausted_with_retry_after(server):
