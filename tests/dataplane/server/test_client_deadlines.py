@@ -181,7 +181,9 @@ def test_a_websocket_nobody_reads_is_closed_and_frees_its_places(server: Guarded
     payload = bytes(b ^ mask[i % 4] for i, b in enumerate(request))
     sock.sendall(b"\x81" + bytes([0x80 | 126]) + len(request).to_bytes(2, "big") + mask + payload)
     gate = server.dataplane.admission
-    assert wait_until(lambda: gate.running == 8, 30)
+    timed_out = lambda: server.metric("modelfleet_client_timeouts_total", reason="send") > before  # noqa: E731
+    # Admitted (on a loaded machine the 0.5 s deadline may already have ended it when we look).
+    assert wait_until(lambda: gate.running == 8 or timed_out(), 30)
     assert wait_until(lambda: gate.running == 0, 20), "the unread socket still holds its places"
     assert server.metric("modelfleet_client_timeouts_total", reason="send") == before + 1
     assert wait_until(lambda: engine.stats().num_running == 0, 5)
