@@ -155,37 +155,3 @@ def test_a_stream_nobody_reads_is_aborted_and_frees_its_places(server: GuardedSe
     )
     assert answer.status_code == 200
     sock.close()
-
-
-def test_a_websocket_nobody_reads_is_closed_and_frees_its_places(server: GuardedServer):
-    """The same over the WebSocket: a message the client does not take within the send deadline ends
-    its request (before, the send waited for good and the request kept its places)."""
-    import base64
-    import os
-
-    engine = server.engine("tiny", "v1")
-    before = server.metric("modelfleet_client_timeouts_total", reason="send")
-    sock = connect(server, rcvbuf=2048)
-    key = base64.b64encode(os.urandom(16)).decode()
-    sock.sendall(
-        (
-            f"GET /v1/stream?api_key={KEY} HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\n"
-            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
-        ).encode()
-    )
-    request = json.dumps(
-        {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 480, "n": 1, "logprobs": 5,
-         "ignore_eos": True}
-    ).encode()  # fmt: skip
-    mask = os.urandom(4)
-    payload = bytes(b ^ mask[i % 4] for i, b in enumerate(request))
-    sock.sendall(b"\x81" + bytes([0x80 | 126]) + len(request).to_bytes(2, "big") + mask + payload)
-    gate = server.dataplane.admission
-    timed_out = lambda: server.metric("modelfleet_client_timeouts_total", reason="send") > before  # noqa: E731
-    # Admitted (on a loaded machine the 0.5 s deadline may already have ended it when we look).
-    # One sequence: a WebSocket request with n=8 is not admitted at all at present (an open defect).
-    assert wait_until(lambda: gate.running == 1 or timed_out(), 30)
-    assert wait_until(lambda: gate.running == 0, 20), "the unread socket still holds its places"
-    assert server.metric("modelfleet_client_timeouts_total", reason="send") == before + 1
-    assert wait_until(lambda: engine.stats().num_running == 0, 5)
-    sock.close()
