@@ -13,6 +13,10 @@ import numpy as np
 import torch
 from modelfleet.dataplane.engine.sequence import Sequence
 from modelfleet.dataplane.engine.structured import apply_grammars
+from modelfleet.dataplane.sampling_params import SamplingParams
+
+# On the device, per row: the chosen token's log-probability, the top-N values and their ids.
+TopLogprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -30,7 +34,11 @@ class SampledBatch:
     can launch more work before it waits."""
 
     def __init__(
-        self, token_ids: torch.Tensor, bad_rows: torch.Tensor, logprobs: tuple | None, params: list
+        self,
+        token_ids: torch.Tensor,
+        bad_rows: torch.Tensor,
+        logprobs: TopLogprobs | None,
+        params: list[SamplingParams],
     ) -> None:
         self.token_ids = token_ids
         self._params = params
@@ -51,7 +59,8 @@ class SampledBatch:
         errors: list[str | None] = ["the model produced NaN logits" if bad else None for bad in bad_list]
         logprob_dicts: list[dict[int, float] | None] = [None] * len(token_list)
         if self._has_logprobs:
-            logprob_dicts = _logprob_dicts(token_list, *logprobs, self._params)
+            chosen, top_values, top_ids = logprobs
+            logprob_dicts = _logprob_dicts(token_list, chosen, top_values, top_ids, self._params)
         return SamplerOutput(token_ids=token_list, logprobs=logprob_dicts, errors=errors)
 
 
@@ -102,11 +111,13 @@ class Sampler:
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
         logprobs = None
-        if raw_logprobs is not None:
+        if num_logprobs is not None:
             logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
         return SampledBatch(token_ids, bad_rows, logprobs, params)
 
-    def _sample_fused(self, logits: torch.Tensor, seqs: list[Sequence], params: list) -> SampledBatch:
+    def _sample_fused(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
+    ) -> SampledBatch:
         """Greedy and temperature rows in one pass over the logits (Gumbel-max with counter-based noise).
         A request with a seed draws from (its seed, the index of the token): batch-independent."""
         from modelfleet.dataplane.kernels.sampling import sample_tokens
@@ -177,7 +188,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Adds each row's own biases to its logits (ids were checked against the vocabulary on add)."""
     rows, cols, values = [], [], []
     for i, p in enumerate(params):
@@ -191,7 +202,7 @@ def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), bias, accumulate=True)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
@@ -219,9 +230,7 @@ def _request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
     return generator
 
 
-def _top_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> TopLogprobs:
     """On the device: the chosen tokens' log-probabilities and the top num_logprobs (values, ids)."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     if num_logprobs > 0:
@@ -232,7 +241,11 @@ def _top_logprobs(
 
 
 def _logprob_dicts(
-    token_list: list[int], chosen: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor, params: list
+    token_list: list[int],
+    chosen: torch.Tensor,
+    top_values: torch.Tensor,
+    top_ids: torch.Tensor,
+    params: list[SamplingParams],
 ) -> list[dict[int, float] | None]:
     chosen_list, value_lists, id_lists = chosen.tolist(), top_values.tolist(), top_ids.tolist()
     result: list[dict[int, float] | None] = []
