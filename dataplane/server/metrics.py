@@ -15,12 +15,13 @@ read those without any mapping.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
 
 from modelfleet.dataplane.engine.protocol import Engine
+from modelfleet.dataplane.server.model_manager import VersionSlot
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LABELS = ("model", "version")
@@ -45,7 +46,7 @@ class _EngineCollector(Collector):
         self.engines = engines
         self.admission_waiting: AdmissionWaiting = dict
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         specs = {
             "num_requests_running": "Requests the engine is running (prefill or decode).",
             "num_requests_waiting": "Requests not started: in the server's admission queue or the engine's.",
@@ -115,27 +116,30 @@ _VLLM_ENGINE = (
 )
 
 
-class _Both:
-    """One of our metrics and its vLLM twin, updated together (the callers see one metric)."""
-
-    def __init__(self, ours, theirs) -> None:
-        self.ours, self.theirs = ours, theirs
-
-    def labels(self, model: str, version: str) -> _BothChild:
-        return _BothChild(self.ours.labels(model, version), self.theirs.labels(model, version))
+_Metric = TypeVar("_Metric", Counter, Histogram)
 
 
-class _BothChild:
-    def __init__(self, ours, theirs) -> None:
-        self.ours, self.theirs = ours, theirs
+class _Both(Generic[_Metric]):
+    """One of our metrics, then its vLLM twins, updated together (the callers see one metric)."""
 
-    def observe(self, value: float) -> None:
-        self.ours.observe(value)
-        self.theirs.observe(value)
+    def __init__(self, *metrics: _Metric) -> None:
+        self.metrics: tuple[_Metric, ...] = metrics
 
-    def inc(self, value: float = 1) -> None:
-        self.ours.inc(value)
-        self.theirs.inc(value)
+    def labels(self, model: str, version: str) -> _BothChild[_Metric]:
+        return _BothChild(tuple(metric.labels(model, version) for metric in self.metrics))
+
+
+class _BothChild(Generic[_Metric]):
+    def __init__(self, children: tuple[_Metric, ...]) -> None:
+        self.children: tuple[_Metric, ...] = children
+
+    def observe(self: _BothChild[Histogram], value: float) -> None:
+        for child in self.children:
+            child.observe(value)
+
+    def inc(self: _BothChild[Counter], value: float = 1) -> None:
+        for child in self.children:
+            child.inc(value)
 
 
 class ServerMetrics:
@@ -146,11 +150,10 @@ class ServerMetrics:
             "modelfleet_requests", "Requests answered, by HTTP status.", [*LABELS, "status"], registry=r
         )
 
-        def latency(name: str, doc: str, buckets: tuple[float, ...], *vllm_names: str):
+        def latency(name: str, doc: str, buckets: tuple[float, ...], *vllm_names: str) -> _Both[Histogram]:
             ours = Histogram(f"modelfleet_{name}", doc, LABELS, buckets=buckets, registry=r)
-            for vllm_name in vllm_names:
-                ours = _Both(ours, Histogram(vllm_name, doc, VLLM_LABELS, buckets=buckets, registry=r))
-            return ours
+            theirs = [Histogram(n, doc, VLLM_LABELS, buckets=buckets, registry=r) for n in vllm_names]
+            return _Both(ours, *theirs)
 
         self.ttft = latency(
             "time_to_first_token_seconds",
@@ -253,14 +256,14 @@ class ServerMetrics:
         for candidate in LOAD_STATES:
             self.load_state.labels(model, version, candidate).set(1.0 if candidate == state else 0.0)
 
-    def on_load_state(self, slot: Any) -> None:
+    def on_load_state(self, slot: VersionSlot) -> None:
         """Model-manager hook: a version's load state changed."""
         model, version = slot.spec.model, slot.spec.version
         self.set_load_state(model, version, slot.state.value)
         if slot.state.value == "failed":
             self.load_failures.labels(model, version).inc()
 
-    def on_loaded(self, slot: Any, seconds: float) -> None:
+    def on_loaded(self, slot: VersionSlot, seconds: float) -> None:
         self.load_seconds.labels(slot.spec.model, slot.spec.version).observe(seconds)
 
     def render(self) -> bytes:
