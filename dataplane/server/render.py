@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,7 +149,7 @@ class CompletionRenderer(Renderer):
         elif prompt and all(isinstance(p, str) for p in prompt):
             prompts = [tokenizer.encode(p) for p in prompt]
         elif prompt and all(isinstance(p, list) for p in prompt):
-            prompts = [list(p) for p in prompt]
+            prompts = [list(p) for p in prompt if isinstance(p, list)]
         else:
             raise BadRequest(
                 "prompt: must be a string, a list of strings or token ids, and not empty", param="prompt"
@@ -160,7 +161,9 @@ class CompletionRenderer(Renderer):
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         return prompts
 
-    def _logprobs(self, tokenizer: Any, token_ids, entries, offset: int) -> CompletionLogprobs | None:
+    def _logprobs(
+        self, tokenizer: Any, token_ids: Sequence[int], entries: Sequence[dict[int, float]], offset: int
+    ) -> CompletionLogprobs | None:
         if self.request.logprobs is None:
             return None
         out = CompletionLogprobs()
@@ -239,7 +242,9 @@ class ChatRenderer(Renderer):
         self.num_prompt_tokens = len(ids)
         return [ids]
 
-    def _logprobs(self, tokenizer: Any, token_ids, entries) -> ChatLogprobs | None:
+    def _logprobs(
+        self, tokenizer: Any, token_ids: Sequence[int], entries: Sequence[dict[int, float]]
+    ) -> ChatLogprobs | None:
         if not self.request.logprobs:
             return None
         top_n = self.request.top_logprobs or 0
