@@ -29,12 +29,19 @@ from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
+    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner
     from modelfleet.dataplane.parallel.worker import WorkerLink
     from modelfleet.dataplane.parallel.workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# A step's host arrays, in _forward's order: input_ids, src_rows, positions, slot_mapping, cu_query,
+# seq_lens, block_tables.
+StepInputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+# What rank 0 sends the other ranks per step: ("step", use_graph, inputs, max_query_len, logit_rows).
+StepMessage = tuple[str, bool, StepInputs, int, np.ndarray | None]
 
 
 @dataclass
@@ -60,7 +67,7 @@ class LaunchedStep:
             return StepResult([None] * num_seqs, [None] * num_seqs, [None] * num_seqs)
         sampled = self.sampled.result()
         if len(self.sampling_rows) == num_seqs:
-            return StepResult(sampled.token_ids, sampled.logprobs, sampled.errors)
+            return StepResult(list(sampled.token_ids), sampled.logprobs, sampled.errors)
         token_ids: list[int | None] = [None] * num_seqs
         logprobs: list[dict[int, float] | None] = [None] * num_seqs
         errors: list[str | None] = [None] * num_seqs
@@ -102,7 +109,9 @@ class ModelRunner:
             self.close()
             raise
 
-    def _build(self, config: EngineConfig, max_model_len: int | None, peers: object) -> None:
+    def _build(
+        self, config: EngineConfig, max_model_len: int | None, peers: WorkerLink | WorkerGroup | None
+    ) -> None:
         from modelfleet.dataplane.models import kv_cache_block_bytes, load_model, num_local_kv_heads
 
         tp_size = config.tensor_parallel_size
@@ -152,7 +161,7 @@ class ModelRunner:
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.decode_graphs = self._capture_decode_graphs(config)
 
-    def _capture_decode_graphs(self, config: EngineConfig):
+    def _capture_decode_graphs(self, config: EngineConfig) -> DecodeGraphRunner | None:
         """CUDA graphs for decode steps of up to max_num_seqs sequences; None off CUDA or with
         enforce_eager (then every step runs the model eagerly)."""
         if self.device.type != "cuda" or config.enforce_eager:
@@ -250,25 +259,30 @@ class ModelRunner:
             and num_seqs <= graphs.max_batch
             and max_blocks <= graphs.buffers["block_tables"].shape[1]
         )
-        inputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
+        inputs: StepInputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
         max_query_len = 1 if num_tokens == num_seqs else int(query_lens.max())
         if self.workers is not None:
-            return self._launch_parallel(out, use_graph, inputs, max_query_len)
+            return self._launch_parallel(self.workers, out, use_graph, inputs, max_query_len)
         hidden = self._forward(use_graph, *inputs, max_query_len)
         return self._sample(out, hidden, cu_query)
 
     def _launch_parallel(
-        self, out: SchedulerOutput, use_graph: bool, inputs: tuple, max_query_len: int
+        self,
+        workers: WorkerGroup,
+        out: SchedulerOutput,
+        use_graph: bool,
+        inputs: StepInputs,
+        max_query_len: int,
     ) -> LaunchedStep:
         """Rank 0 of several: the other ranks get the step first, then all run it together."""
-        workers = self.workers
         if workers.failure is not None:
             raise RuntimeError(f"tensor parallelism: {workers.failure}")
         cu_query = inputs[4]
         sampling_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
         # The hidden rows whose logits are computed (the gather is a collective every rank joins).
         logit_rows = (cu_query[1:][sampling_rows] - 1) if sampling_rows else None
-        workers.send_step(("step", use_graph, inputs, max_query_len, logit_rows))
+        message: StepMessage = ("step", use_graph, inputs, max_query_len, logit_rows)
+        workers.send_step(message)
         try:
             hidden = self._forward(use_graph, *inputs, max_query_len)
             return self._sample(out, hidden, cu_query)
@@ -277,7 +291,7 @@ class ModelRunner:
             raise
 
     @torch.inference_mode()
-    def execute(self, message: tuple) -> None:
+    def execute(self, message: StepMessage) -> None:
         """A worker's part of one step (see _launch_parallel); the logits it helps gather are rank 0's."""
         _, use_graph, inputs, max_query_len, logit_rows = message
         hidden = self._forward(use_graph, *inputs, max_query_len)
@@ -298,8 +312,10 @@ class ModelRunner:
         max_query_len: int,
     ) -> torch.Tensor:
         if use_graph:
+            graphs = self.decode_graphs
+            assert graphs is not None  # use_graph is set only where the graphs were captured
             # Host arrays go through the runner's pinned buffers: no host sync before the replay.
-            return self.decode_graphs.run(
+            return graphs.run(
                 {
                     "input_ids": input_ids,
                     "src_rows": src_rows,
@@ -363,10 +379,13 @@ class ModelRunner:
         else:
             index = torch.from_numpy(cu_query[1:][sampling_rows] - 1)
             last_hidden = hidden[index.to(self.device, non_blocking=True)]
+        sampler = self.sampler
+        if sampler is None:
+            raise RuntimeError("only the first tensor-parallel rank samples")
         # The fused sampler reads the model dtype's logits once; the torch sampler converts them itself.
-        logits = self.model.compute_logits(last_hidden, float32=not self.sampler.fused)
+        logits = self.model.compute_logits(last_hidden, float32=not sampler.fused)
         seqs = [scheduled[i].seq for i in sampling_rows]
-        sampled = self.sampler.sample(logits, seqs)
+        sampled = sampler.sample(logits, seqs)
         self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
