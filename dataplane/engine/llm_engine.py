@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +23,7 @@ from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput, request_output
 from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
-from modelfleet.dataplane.engine.structured import Grammars
+from modelfleet.dataplane.engine.structured import Grammars, check_structured
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,12 +69,20 @@ class PromptChecks:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
         params.check_vocab(vocab)
+        if params.structured is not None:
+            check_structured(params.structured, self.tokenizer)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leaves no room to generate; the maximum length is "
                 f"{self.max_model_len} tokens (prompt plus output); shorten the prompt"
             )
         return token_ids, params
+
+
+def _end_unscheduled(seq: Sequence, reason: str, error: str | None = None) -> None:
+    """Ends a request that never joined the scheduler (its grammar was still compiling)."""
+    seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, reason, error
+    seq.finished_time = time.monotonic()
 
 
 def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
@@ -137,6 +147,8 @@ class LLMEngine(PromptChecks):
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._grammars: Grammars | None = None  # made with the first structured request
+        # Requests whose grammar a worker is compiling: they join the scheduler once it is ready.
+        self._compiling: dict[str, tuple[Sequence, Future[Any]]] = {}
 
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
@@ -194,6 +206,8 @@ class LLMEngine(PromptChecks):
 
     def close(self) -> None:
         """Stops the tensor-parallel worker processes (nothing to stop with one rank)."""
+        if self._grammars is not None:
+            self._grammars.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -215,7 +229,9 @@ class LLMEngine(PromptChecks):
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         token_ids, params = validated or self.validate(prompt, params)
-        grammar = self._grammar(params)
+        compiled = self._compile(params)
+        # A grammar compiled already (or failed: ValueError, before anything is queued) is used now.
+        grammar = self._matcher(compiled) if compiled is not None and compiled.done() else None
         seq = Sequence(
             request_id,
             token_ids,
@@ -225,7 +241,10 @@ class LLMEngine(PromptChecks):
             arrival_time=arrival_time,
         )
         seq.grammar = grammar
-        self.scheduler.add(seq)
+        if compiled is None or grammar is not None:
+            self.scheduler.add(seq)
+        else:
+            self._compiling[request_id] = (seq, compiled)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         self._requests[request_id] = _RequestState(
             seq,
@@ -236,34 +255,60 @@ class LLMEngine(PromptChecks):
             delta=params.output_kind == "delta",
         )
 
-    def _grammar(self, params: SamplingParams) -> Any:
-        """The matcher of a structured request (compiled before anything is queued), else None."""
+    def _compile(self, params: SamplingParams) -> Future[Any] | None:
+        """A structured request's grammar, compiled on a worker thread (cached by schema), else None."""
         if params.structured is None:
             return None
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars.matcher(params.structured)
+        return self._grammars.compile(params.structured)
+
+    @staticmethod
+    def _matcher(compiled: Future[Any]) -> Any:
+        return Grammars.matcher(compiled.result())
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready join the scheduler; one whose compile failed ends with its
+        error (it alone). With nothing else to run, waits a moment for a compile to end."""
+        if not self.scheduler.has_unfinished() and self._launched is None:
+            wait([f for _, f in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+        outputs: list[RequestOutput] = []
+        for request_id, (seq, compiled) in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                seq.grammar = self._matcher(compiled)
+            except Exception as exc:  # ValueError from the compile; anything else fails this request only
+                _end_unscheduled(seq, "error", str(exc))
+                outputs.append(self._take_output(self._requests.pop(request_id)))
+                continue
+            self.scheduler.add(seq)
+        return outputs
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request now and frees its KV blocks; returns its last output (None if unknown)."""
         seq = self.scheduler.finish(request_id, "abort")
+        if request_id in self._compiling:
+            seq = self._compiling.pop(request_id)[0]
+            _end_unscheduled(seq, "abort")
         state = self._requests.pop(request_id, None)
         if seq is None or state is None:
             return None
         return self._take_output(state)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     def step(self) -> list[RequestOutput]:
         """Launches the next step, then processes the tokens of the one launched before it."""
+        outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
         scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
-        outputs: list[RequestOutput] = []
         launched = None
         if scheduled is not None and self._launched is not None and _needs_host_tokens(scheduled):
             # Penalties read the sequence's tokens on the host, a grammar must have followed them: the
             # previous step's first.
-            outputs = self._process(*self._launched)
+            outputs += self._process(*self._launched)
             self._launched = None
             # Those tokens may have ended sequences (an end-of-sequence token, a stop string): their
             # blocks are freed, so they leave this step.
@@ -378,7 +423,7 @@ class LLMEngine(PromptChecks):
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._compiling),
             kv_cache_usage=bm.usage,
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
             num_free_blocks=bm.num_free_blocks,

@@ -84,3 +84,24 @@ def test_bad_formats_are_a_400(client, response_format, param):
         )
     assert caught.value.body["param"] == param
     assert "response_format" in caught.value.body["message"] or "json_schema" in caught.value.body["message"]
+
+
+def test_a_bad_schema_beside_a_stream_loses_nothing(client):
+    """A schema refused (400) while another request streams: that stream runs to its end untouched."""
+    stream = client.completions.create(
+        model="tiny",
+        prompt="hello",
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, response_format=bad)
+    assert "cannot be compiled" in caught.value.body["message"]
+    rest = list(chunks)
+    finish = [c.choices[0].finish_reason for c in [first, *rest] if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
