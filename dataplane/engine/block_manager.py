@@ -5,12 +5,19 @@ sequence's tokens live in. A full block is named by a chained hash (its parent's
 two sequences with the same prefix share blocks. Freed blocks keep their hash and stay findable until
 they are handed out again: free blocks are reused least recently freed first, blocks that hold no cached
 prefix before those that do, and a sequence's tail blocks before its head blocks.
+
+With a host tier (host_kv.HostBlockPool), a cached block handed out again is spilled to host memory
+first, and a waiting request whose prefix continues into spilled blocks loads them back before it is
+admitted (`waits_for_blocks`): device blocks are taken for them at once, held for the request together
+with its device hits, and named in the prefix cache when the engine reports the copies done
+(`finish_loads`). The copies themselves are the engine's (`take_copies`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from modelfleet.dataplane.engine.host_kv import Copies, HostBlockPool
 from modelfleet.dataplane.engine.sequence import Sequence
 
 
@@ -30,7 +37,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        host: HostBlockPool | None = None,
+        max_loads_per_step: int = 64,
+    ) -> None:
+        """`max_loads_per_step`: blocks that start loading from the host tier in one step (the first
+        request to load in a step starts whatever it needs)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks: {num_blocks} must be at least 1")
         self.num_blocks = num_blocks
@@ -44,6 +61,19 @@ class BlockManager:
         self._num_registered: dict[str, int] = {}
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        # The host tier: None without one.
+        self.host = host if enable_prefix_caching else None
+        self.max_loads_per_step = max_loads_per_step
+        self._copies = Copies()
+        self._loads_left = max_loads_per_step
+        # Per waiting request: device blocks held for its prefix, and of those the ones still loading as
+        # (device block, host block, hash). Loads of requests that ended while loading: `_orphaned`.
+        self._held: dict[str, list[int]] = {}
+        self._loading: dict[str, list[tuple[int, int, int]]] = {}
+        self._orphaned: dict[str, list[tuple[int, int, int]]] = {}
+        self.num_host_hit_tokens = 0
+        self.num_spills = 0
+        self.num_dropped_spills = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +137,10 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
+        if self._held:
+            # The request holds its hits itself now.
+            for block_id in self._held.pop(seq.request_id, ()):
+                self._release(block_id)
         seq.block_ids.extend(computed_block_ids)
         if computed_block_ids:
             self._num_registered[seq.request_id] = len(seq.block_ids)
@@ -121,20 +155,121 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Releases the sequence's blocks; blocks no one else holds become free (and stay cached)."""
         for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    # Holds nothing reusable: hand it out before blocks that do.
-                    self._free.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_ids = []
         self._num_registered.pop(seq.request_id, None)
+        if self._held:
+            self._drop_hold(seq.request_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                # Holds nothing reusable: hand it out before blocks that do.
+                self._free.move_to_end(block_id, last=False)
+
+    def _drop_hold(self, request_id: str) -> None:
+        """A request that ended (or was preempted) while it held blocks: blocks still being copied into
+        stay taken until their copies are done."""
+        loading = self._loading.pop(request_id, [])
+        if loading:
+            self._orphaned[request_id] = loading
+        busy = {device_id for device_id, _, _ in loading}
+        for block_id in self._held.pop(request_id, ()):
+            if block_id not in busy:
+                self._release(block_id)
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._cached.values():
             self.blocks[block_id].block_hash = None
         self._cached.clear()
+        if self.host is not None:
+            self.host.clear()
+
+    def waits_for_blocks(self, seq: Sequence) -> bool:
+        """Whether the waiting `seq` must wait for blocks loading from the host tier. Starts the loads
+        when its prefix continues into host blocks, the step's load budget allows and the free blocks
+        hold the whole prompt; otherwise (False) it is admitted with its device hits alone."""
+        if self.host is None:
+            return False
+        request_id = seq.request_id
+        if request_id in self._loading or request_id in self._orphaned:
+            return True
+        if request_id in self._held:
+            return False  # loaded: its blocks are prefix-cache hits now
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        self._hash_full_blocks(seq, max_hit_blocks)
+        device_hits: list[int] = []
+        host_hits: list[tuple[int, int]] = []  # (host block, hash)
+        for block_hash in seq.block_hashes[:max_hit_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is not None:
+                device_hits.append(block_id)
+                continue
+            host_id = self.host.lookup(block_hash)
+            if host_id is None:
+                break
+            host_hits.append((host_id, block_hash))
+        if not host_hits:
+            return False
+        if len(host_hits) > self._loads_left and self._loads_left < self.max_loads_per_step:
+            return True  # the step's copies are spent: next step
+        num_free_hits = sum(1 for b in device_hits if self.blocks[b].ref_count == 0)
+        num_prompt_blocks = -(-seq.num_tokens // self.block_size)
+        if num_free_hits + num_prompt_blocks - len(device_hits) > len(self._free):
+            return False
+        self._loads_left -= len(host_hits)
+        for block_id in device_hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        for host_id, _ in host_hits:
+            self.host.pin(host_id)  # before taking device blocks, whose spills must not reuse it
+        loading = [(self._take_free_block(), host_id, h) for host_id, h in host_hits]
+        self._held[request_id] = device_hits + [device_id for device_id, _, _ in loading]
+        self._loading[request_id] = loading
+        self._copies.loads[request_id] = [(device_id, host_id) for device_id, host_id, _ in loading]
+        self.num_host_hit_tokens += len(host_hits) * self.block_size
+        return True
+
+    def finish_loads(self, request_ids: list[str]) -> None:
+        """The engine's word that these requests' loads have landed: their blocks join the prefix cache."""
+        host = self.host
+        assert host is not None
+        for request_id in request_ids:
+            orphaned = self._orphaned.pop(request_id, None)
+            for device_id, host_id, block_hash in orphaned or self._loading.pop(request_id, ()):
+                host.unpin(host_id)
+                block = self.blocks[device_id]
+                if block.block_hash is None and block_hash not in self._cached:
+                    block.block_hash = block_hash
+                    self._cached[block_hash] = device_id
+                if orphaned is not None:
+                    self._release(device_id)
+
+    def take_copies(self) -> Copies:
+        """The spills and loads decided since the last call (once per step), for the engine to issue
+        before the step that may overwrite the spilled blocks; the step's load budget starts again."""
+        copies, self._copies = self._copies, Copies()
+        self._loads_left = self.max_loads_per_step
+        return copies
+
+    def _spill(self, block_id: int, block_hash: int) -> None:
+        host = self.host
+        assert host is not None
+        host_id = host.lookup(block_hash)
+        if host_id is not None:  # still there from an earlier spill: the same tokens
+            host.touch(block_hash)
+            return
+        host_id = host.store(block_hash)
+        if host_id is None:
+            self.num_dropped_spills += 1
+            return
+        self._copies.spills.append((block_id, host_id))
+        self.num_spills += 1
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -142,6 +277,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.host is not None:
+                    self._spill(block_id, block.block_hash)
             block.block_hash = None
         block.ref_count = 1
         return block_id

@@ -95,15 +95,19 @@ class Scheduler:
             i += 1
 
         # Waiting requests, unless this step already had to free blocks.
+        w = 0  # the first waiting request not passed over (its blocks are loading from the host tier)
         while (
             not preempted_for_running
-            and self.waiting
+            and w < len(self.waiting)
             and budget > 0
             and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[w]
             if seq.num_inflight:
                 break  # preempted with a token in flight: recomputed once `update` has it
+            if self.block_manager.waits_for_blocks(seq):
+                w += 1  # it waits for its copies, out of the batch
+                continue
             hit_block_ids, num_hit_tokens = self.block_manager.get_computed_blocks(seq)
             num_new = seq.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -112,7 +116,7 @@ class Scheduler:
                 num_new = budget
             if not self.block_manager.allocate_slots(seq, num_new, hit_block_ids):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_tokens = num_hit_tokens
             seq.num_computed_tokens = num_hit_tokens

@@ -1,0 +1,201 @@
+"""The host KV tier's bookkeeping: the host pool's LRU, spills of evicted prefix blocks, loads back, and a
+scheduler that lets a loading request wait without holding up the batch. Plain Python, exact block ids."""
+
+from __future__ import annotations
+
+from modelfleet.dataplane.engine.block_manager import BlockManager
+from modelfleet.dataplane.engine.host_kv import HostBlockPool
+from modelfleet.dataplane.engine.scheduler import Scheduler
+from modelfleet.dataplane.engine.sequence import Sequence
+from modelfleet.dataplane.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def make_seq(request_id: str, token_ids: list[int]) -> Sequence:
+    return Sequence(request_id, token_ids, SamplingParams())
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    hits, num_hit = bm.get_computed_blocks(seq)
+    assert bm.allocate_slots(seq, seq.num_tokens - num_hit, hits)
+    seq.num_computed_tokens = seq.num_tokens
+    return num_hit
+
+
+def test_host_pool_reuses_the_least_recently_used_unpinned_block():
+    pool = HostBlockPool(2)
+    assert pool.store(10) == 0 and pool.store(11) == 1
+    pool.touch(10)  # 11 is now the least recently used
+    assert pool.store(12) == 1
+    assert pool.lookup(11) is None and pool.lookup(10) == 0 and len(pool) == 2
+    pool.pin(pool.lookup(12))  # pinning uses it too: 10 goes next
+    assert pool.store(13) == 0 and pool.lookup(10) is None
+    # 12 is the least recently used but pinned: 13 goes, though it was stored last.
+    assert pool.store(14) == 0
+    assert pool.lookup(13) is None and pool.lookup(12) == 1 and pool.lookup(14) == 0
+
+
+def test_host_pool_never_reuses_a_pinned_block():
+    pool = HostBlockPool(2)
+    a, b = pool.store(1), pool.store(2)
+    pool.pin(a)
+    pool.pin(b)
+    assert pool.store(3) is None
+    assert pool.lookup(1) == a and pool.lookup(2) == b
+    pool.unpin(a)
+    assert pool.store(3) == a and pool.lookup(1) is None
+    pool.clear()  # a pinned block stays until unpinned
+    assert pool.lookup(2) == b and pool.lookup(3) is None
+
+
+def evict_prefix(bm: BlockManager, prompt: list[int]) -> Sequence:
+    """Admits and frees `prompt`, then fills every block with other tokens so its cached blocks leave."""
+    first = make_seq("first", prompt)
+    admit(bm, first)
+    bm.free(first)
+    filler = make_seq("filler", [1000 + i for i in range(bm.num_blocks * BLOCK)])
+    admit(bm, filler)
+    bm.free(filler)
+    return first
+
+
+def test_evicted_prefix_blocks_spill_and_load_back_as_prefix_hits():
+    bm = BlockManager(4, BLOCK, host=HostBlockPool(8))
+    prompt = list(range(10))  # two full blocks and two tokens
+    first = evict_prefix(bm, prompt)
+    copies = bm.take_copies()
+    # The filler took the free blocks in order: the partial block 2, then 3, then cached 1 and 0.
+    assert copies.spills == [(1, 0), (0, 1)] and not copies.loads
+    assert bm.num_spills == 2 and bm.cached_block_id(first.block_hashes[0]) is None
+
+    again = make_seq("again", prompt)
+    assert bm.waits_for_blocks(again)
+    copies = bm.take_copies()
+    # Device blocks for both, loaded from the host blocks that hold them (the filler's cached blocks
+    # spill to make room).
+    assert [host for _, host in copies.loads["again"]] == [1, 0]
+    assert bm.num_host_hit_tokens == 8
+    assert bm.waits_for_blocks(again)  # still loading
+    assert bm.take_copies().loads == {}  # and not loaded twice
+    loaded = [device for device, _ in copies.loads["again"]]
+    bm.finish_loads(["again"])
+    assert not bm.waits_for_blocks(again)
+    hits, num_hit = bm.get_computed_blocks(again)
+    assert hits == loaded and num_hit == 8
+    assert bm.allocate_slots(again, 2, hits)
+    # The request holds its blocks once, not twice.
+    assert [bm.blocks[b].ref_count for b in hits] == [1, 1]
+    bm.free(again)
+    assert bm.num_free_blocks == 4
+
+
+def test_a_spilled_block_that_the_host_still_holds_is_not_copied_again():
+    bm = BlockManager(4, BLOCK, host=HostBlockPool(8))
+    prompt = list(range(10))
+    evict_prefix(bm, prompt)
+    bm.take_copies()
+    again = make_seq("again", prompt)
+    assert bm.waits_for_blocks(again)
+    bm.take_copies()
+    bm.finish_loads(["again"])
+    admit(bm, again)
+    bm.free(again)
+    spills = bm.num_spills
+    evict_prefix(bm, [500 + i for i in range(10)])
+    # The prompt's blocks left the device again, but their host copies are still there.
+    assert not any(host in (0, 1) for _, host in bm.take_copies().spills)
+    assert bm.num_spills > spills
+
+
+def test_request_ending_while_loading_keeps_its_blocks_until_the_copies_land():
+    bm = BlockManager(4, BLOCK, host=HostBlockPool(8))
+    prompt = list(range(10))
+    evict_prefix(bm, prompt)
+    bm.take_copies()
+    again = make_seq("again", prompt)
+    assert bm.waits_for_blocks(again)
+    loading = [device for device, _ in bm.take_copies().loads["again"]]
+    bm.free(again)  # aborted while its copies are in flight
+    assert not set(loading) & set(bm.free_block_ids())
+    bm.finish_loads(["again"])
+    assert set(loading) <= set(bm.free_block_ids())
+    # The copied blocks are valid: a later request finds them on the device.
+    later = make_seq("later", prompt)
+    assert not bm.waits_for_blocks(later)
+    assert bm.get_computed_blocks(later) == (loading, 8)
+
+
+def test_full_host_pool_drops_spills_and_loses_nothing_else():
+    pool = HostBlockPool(1)
+    bm = BlockManager(4, BLOCK, host=pool)
+    prompt = list(range(10))
+    evict_prefix(bm, prompt)
+    # The head block spilled last and took over the only host block.
+    assert len(pool) == 1 and bm.num_spills == 2
+    bm.take_copies()
+    again = make_seq("again", prompt)
+    assert bm.waits_for_blocks(again)
+    (loading,) = bm.take_copies().loads["again"]
+    # While it loads, the host block is pinned: spills find no room and are dropped.
+    other = make_seq("other", [700 + i for i in range(8)])
+    admit(bm, other)
+    bm.free(other)
+    filler = make_seq("filler", [900 + i for i in range(12)])
+    admit(bm, filler)
+    bm.free(filler)
+    # Every cached block evicted since: the first filler's four, then other's two.
+    assert bm.num_dropped_spills == 6 and bm.num_spills == 2 and bm.take_copies().spills == []
+    bm.finish_loads(["again"])
+    # The head block is a hit; the second block, lost from both tiers, is computed again.
+    hits, num_hit = bm.get_computed_blocks(again)
+    assert hits == [loading[0]] and num_hit == 4
+    assert bm.allocate_slots(again, 6, hits)
+    bm.free(again)
+    assert bm.num_free_blocks == 4
+
+
+def test_loads_per_step_are_budgeted():
+    bm = BlockManager(8, BLOCK, host=HostBlockPool(16), max_loads_per_step=2)
+    prompts = [[i * 100 + j for j in range(9)] for i in range(2)]  # two full blocks each
+    for prompt in prompts:
+        seq = make_seq("p", prompt)
+        admit(bm, seq)
+        bm.free(seq)
+    filler = make_seq("filler", [5000 + i for i in range(8 * BLOCK)])
+    admit(bm, filler)
+    bm.free(filler)
+    bm.take_copies()
+    a, b = make_seq("a", prompts[0]), make_seq("b", prompts[1])
+    assert bm.waits_for_blocks(a) and bm.waits_for_blocks(b)
+    # a's two blocks spend the step's budget: b has not started.
+    assert list(bm.take_copies().loads) == ["a"]
+    assert bm.waits_for_blocks(b)
+    assert list(bm.take_copies().loads) == ["b"]
+
+
+def test_scheduler_runs_others_while_a_request_waits_for_its_copies():
+    bm = BlockManager(8, BLOCK, host=HostBlockPool(16))
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    prompt = list(range(9))
+    evict = make_seq("evicted", prompt)
+    admit(bm, evict)
+    bm.free(evict)
+    filler = make_seq("filler", [5000 + i for i in range(8 * BLOCK)])
+    admit(bm, filler)
+    bm.free(filler)
+    bm.take_copies()
+
+    scheduler.add(make_seq("hit", prompt))
+    scheduler.add(make_seq("other", [7, 7, 7]))
+    out = scheduler.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["other"]
+    assert [s.request_id for s in scheduler.waiting] == ["hit"]
+    assert list(bm.take_copies().loads) == ["hit"]
+    assert [s.seq.request_id for s in scheduler.schedule().scheduled] == ["other"]  # hit still copying
+    bm.finish_loads(["hit"])
+    out = scheduler.schedule()
+    assert [(s.seq.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [
+        ("other", 4, 1),
+        ("hit", 8, 1),
+    ]
