@@ -19,6 +19,10 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _TINY = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 FP8_MIN_CAPABILITY = (8, 9)
 _ALIGN = 64  # bytes  # Ada (L4) and Hopper (H100, H200) compute in e4m3
+# Up to this many tokens (decode) a CUDA QuantizedLinear runs the GEMV that reads the 1-byte weight and its
+# scales directly (modelfleet.dataplane.kernels.gemv): one program multiplies up to 4 rows of x, so the
+# weight is still read once; more tokens (prefill, large decode batches) take the matmul paths below.
+GEMV_MAX_TOKENS = 4
 
 
 class QuantizationError(RuntimeError):
@@ -106,9 +110,11 @@ def check_fp8_supported(device: torch.device | str) -> None:
 class QuantizedLinear(nn.Module):
     """y = x @ dequant(W).T + b for a per-channel quantized weight, without materializing dequant(W).
 
-    int8: weight-only; torch._weight_int8pack_mm multiplies the int8 weight directly (CPU and CUDA), with a
-    dequantize-then-matmul fallback. fp8: activations are scaled to e4m3 per token and torch._scaled_mm
-    multiplies on fp8 tensor cores; anywhere else forward refuses with QuantizationError.
+    Decode on CUDA (up to GEMV_MAX_TOKENS bf16/fp16 rows): a Triton GEMV reads the int8 or e4m3 weight and
+    its scales in its inner loop, activations unquantized. Otherwise int8: weight-only; a Triton matmul on
+    CUDA, torch._weight_int8pack_mm on the CPU, with a dequantize-then-matmul fallback. fp8: activations
+    are scaled to e4m3 per token and torch._scaled_mm multiplies on fp8 tensor cores. fp8 anywhere without
+    fp8 refuses with QuantizationError.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, fmt: str = "int8") -> None:
@@ -146,10 +152,26 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self._gemv_applies(x2):
+            from modelfleet.dataplane.kernels import gemv
+
+            y = gemv.gemv(x2, self.weight, self.bias, scale=self.weight_scale)
+            return y.reshape(*shape[:-1], self.out_features)
         y = self._int8(x2) if self.fmt == "int8" else self._fp8(x2)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _gemv_applies(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and x.shape[0] <= GEMV_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        if self.fmt == "fp8" and not self._fp8_checked:
+            check_fp8_supported(x.device)  # Triton converts e4m3 only where the GPU has it
+            self._fp8_checked = True
+        if _triton_int8_kernel() is None:  # no Triton
+            return False
+        scale = self.weight_scale
+        return self.weight.stride(1) == 1 and scale.dtype == torch.float32 and scale.is_contiguous()
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):

@@ -10,6 +10,12 @@ whose fp32 partial sums a second small kernel adds up (deterministic; no zeroed 
 Llama decode shapes the row blocks alone give enough programs and no split wins. The output is rounded
 once to x's dtype, as F.linear's is. The launch configuration is fixed per (M, N, K), so calls are
 CUDA-graph capturable.
+
+The same kernel reads 1-byte quantized weights (int8, or float8 e4m3 on GPUs that have it) with float32
+per-output-channel scales (modelfleet.dataplane.quantization's format): each weight tile is converted to
+float32 in registers, the activations stay in bf16/fp16, and the finished fp32 row sums are multiplied by
+their channel's scale once, before the bias. Half the bytes of bf16 cross from memory, which is what
+bounds a decode linear.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_suppo
 
 NUM_SMS_FALLBACK = 132
 MAX_ROWS_PER_PROGRAM = 4  # rows of x one program multiplies (more rows: more programs along M)
+QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # read with per-channel scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +70,22 @@ def _store_row(
     N,
     out_ptr,
     bias_ptr,
+    scale_ptr,
     stride_om,
     pid_k,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     PARTIAL: tl.constexpr,
     AT_END: tl.constexpr,
 ):
     if AT_END:
         acc = tl.sum(acc, axis=1)
     mask = (rows < N) & (m < M)
-    if PARTIAL:  # fp32 partial sums laid out [SPLIT_K, M, N]
+    if PARTIAL:  # fp32 partial sums laid out [SPLIT_K, M, N], scaled once they are added up
         tl.store(out_ptr + (pid_k * M + m) * N + rows, acc, mask=mask)
     else:
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + rows, mask=rows < N, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -85,6 +96,7 @@ def _gemv_kernel(
     x_ptr,
     w_ptr,
     bias_ptr,
+    scale_ptr,
     out_ptr,
     M,
     N,
@@ -94,6 +106,7 @@ def _gemv_kernel(
     stride_om,
     k_per_split,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MASK_M: tl.constexpr,
@@ -161,18 +174,72 @@ def _gemv_kernel(
                 acc3, wf, x_rows + 3 * stride_xm, cols, k_end, m0 + 3 < M, EVEN_K, MASK_M, REDUCE_AT_END
             )
         w = w_next
-    _store_row(acc0, m0, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END)
+    _store_row(
+        acc0,
+        m0,
+        M,
+        rows,
+        N,
+        out_ptr,
+        bias_ptr,
+        scale_ptr,
+        stride_om,
+        pid_k,
+        HAS_BIAS,
+        HAS_SCALE,
+        PARTIAL,
+        REDUCE_AT_END,
+    )
     if BLOCK_M > 1:
         _store_row(
-            acc1, m0 + 1, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END
+            acc1,
+            m0 + 1,
+            M,
+            rows,
+            N,
+            out_ptr,
+            bias_ptr,
+            scale_ptr,
+            stride_om,
+            pid_k,
+            HAS_BIAS,
+            HAS_SCALE,
+            PARTIAL,
+            REDUCE_AT_END,
         )
     if BLOCK_M > 2:
         _store_row(
-            acc2, m0 + 2, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END
+            acc2,
+            m0 + 2,
+            M,
+            rows,
+            N,
+            out_ptr,
+            bias_ptr,
+            scale_ptr,
+            stride_om,
+            pid_k,
+            HAS_BIAS,
+            HAS_SCALE,
+            PARTIAL,
+            REDUCE_AT_END,
         )
     if BLOCK_M > 3:
         _store_row(
-            acc3, m0 + 3, M, rows, N, out_ptr, bias_ptr, stride_om, pid_k, HAS_BIAS, PARTIAL, REDUCE_AT_END
+            acc3,
+            m0 + 3,
+            M,
+            rows,
+            N,
+            out_ptr,
+            bias_ptr,
+            scale_ptr,
+            stride_om,
+            pid_k,
+            HAS_BIAS,
+            HAS_SCALE,
+            PARTIAL,
+            REDUCE_AT_END,
         )
 
 
@@ -180,12 +247,14 @@ def _gemv_kernel(
 def _split_k_reduce_kernel(
     partial_ptr,
     bias_ptr,
+    scale_ptr,
     out_ptr,
     M,
     N,
     stride_om,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     m = tl.program_id(1)
@@ -194,6 +263,8 @@ def _split_k_reduce_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + (s * M + m) * N + cols, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -237,12 +308,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = NUM_SMS_FALLBACK) -> GemvConfig:
+def default_config(
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_FALLBACK, weight_bytes: int = 2
+) -> GemvConfig:
     """The tuned configuration of a known shape, else the pattern the tuned ones share: 1024-wide K
-    tiles, 4 warps, and the widest row block that still gives every SM ~4 programs (K split if none does)."""
+    tiles, 4 warps, and the widest row block that still gives every SM ~4 programs (K split if none does).
+
+    1-byte weights (weight_bytes=1) take K tiles twice as wide, so that a tile moves the same bytes as a
+    bf16 one, where the fp32 copy of the tile stays small (4096 elements for one row of x, 2048 for more).
+    Untuned on an H100 so far: `bench/gemv.py --weight-dtype int8 --sweep` measures the alternatives."""
     rows = min(m, MAX_ROWS_PER_PROGRAM)
     tuned = TUNED.get((n, k, rows))
     if tuned is not None:
+        if weight_bytes == 1 and tuned.block_n * tuned.block_k <= 1024 * max(1, 2 // rows):
+            return dataclasses.replace(tuned, block_k=2 * tuned.block_k)
         return tuned
     block_k = max(64, min(1024 // next_power_of_2(rows), next_power_of_2(k)))
     block_n = next((bn for bn in (8, 4, 2) if triton.cdiv(n, bn) >= 4 * num_sms), 1)
@@ -259,16 +338,29 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ weight.T (+ bias) for a few rows of x; weight [N, K] with contiguous rows."""
+    """x [..., K] @ weight.T (+ bias) for a few rows of x; weight [N, K] with contiguous rows.
+
+    With `scale` (float32 [N]), weight is int8 or float8_e4m3fn standing for weight * scale[:, None];
+    x stays bf16/fp16 and the output is in x's dtype."""
     k = x.shape[-1]
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv: weight must be [N, {k}] to match x's last dim, got {list(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv: weight needs contiguous rows (stride 1 along K)")
-    if x.dtype != weight.dtype:
+    if scale is not None:
+        if weight.dtype not in QUANTIZED_WEIGHT_DTYPES:
+            raise ValueError(f"gemv: a scale goes with an int8 or float8_e4m3fn weight, not {weight.dtype}")
+        if scale.shape != (n,) or scale.dtype != torch.float32 or scale.stride(0) != 1:
+            raise ValueError(
+                f"gemv: scale must be contiguous float32 [{n}], got {scale.dtype} {list(scale.shape)}"
+            )
+    elif weight.dtype in QUANTIZED_WEIGHT_DTYPES:
+        raise ValueError(f"gemv: a {weight.dtype} weight needs its per-channel scale")
+    elif x.dtype != weight.dtype:
         raise ValueError(f"gemv: x is {x.dtype} but weight is {weight.dtype}; cast one of them")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias must be [{n}], got {list(bias.shape)}")
@@ -281,7 +373,7 @@ def gemv(
         return out.reshape(*x.shape[:-1], n)
     if k == 0:
         return out.zero_().add_(bias if bias is not None else 0).reshape(*x.shape[:-1], n)
-    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    cfg = config or default_config(m, n, k, _num_sms(x.device), weight.element_size())
     if cfg.block_n & (cfg.block_n - 1) or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"gemv: block_n and block_k must be powers of 2, got {cfg}")
     rows_per_program = min(m, MAX_ROWS_PER_PROGRAM)
@@ -293,6 +385,7 @@ def gemv(
     partial = split_k > 1
     target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
+    scale_arg = scale if scale is not None else out  # never read without HAS_SCALE
     # the PDL instructions are compiled in wherever PDL exists (the wait is a no-op in a kernel launched
     # without it, and the trigger lets a PDL-launched successor start early either way)
     pdl = pdl_supported(x.device)
@@ -301,6 +394,7 @@ def gemv(
         x2,
         weight,
         bias_arg,
+        scale_arg,
         target,
         m,
         n,
@@ -310,6 +404,7 @@ def gemv(
         out.stride(0),
         k_per_split,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=scale is not None,
         PARTIAL=partial,
         BLOCK_M=rows_per_program,
         MASK_M=m % rows_per_program != 0,
@@ -326,12 +421,14 @@ def gemv(
         _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
             target,
             bias_arg,
+            scale_arg,
             out,
             m,
             n,
             out.stride(0),
             SPLIT_K=split_k,
             HAS_BIAS=bias is not None,
+            HAS_SCALE=scale is not None,
             BLOCK=block,
             num_warps=4,
         )
