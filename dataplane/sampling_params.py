@@ -104,6 +104,8 @@ class SamplingParams:
             raise ValueError(
                 f"structured: {self.structured!r} must be (kind, schema) with kind in {STRUCTURED_KINDS}"
             )
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos: cannot be combined with structured output (it ends with its JSON)")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind: {self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}")
 

@@ -115,7 +115,10 @@ def apply_grammars(logits: Any, seqs: list) -> Any:
     """Masks, in place, each constrained row's logits to what its grammar allows next."""
     import xgrammar
 
-    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    # A terminated matcher (it has accepted its end) has no next token to allow; its sequence is ending.
+    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar.is_terminated()]
+    if not rows:
+        return logits
     bitmask = xgrammar.allocate_token_bitmask(len(seqs), logits.shape[-1])
     for i in rows:
         seqs[i].grammar.fill_next_token_bitmask(bitmask, i)

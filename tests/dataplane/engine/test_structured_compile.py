@@ -165,3 +165,28 @@ def test_the_engine_thread_streams_while_a_grammar_compiles(tiny_model_dir, held
         asyncio.run(main())
     finally:
         llm.close()
+
+
+def test_ignore_eos_is_refused_with_a_grammar(llm):
+    """A grammar ends its output with its JSON; past that end no token is valid, so the two conflict."""
+    with pytest.raises(ValueError, match="^ignore_eos: cannot be combined with structured output"):
+        SamplingParams(max_tokens=60, ignore_eos=True, structured=("json_schema", SCHEMA))
+
+
+def test_a_terminated_grammar_masks_nothing(llm):
+    """A matcher that has accepted its end is left alone by the sampler's mask (it would raise)."""
+    import torch
+    from modelfleet.dataplane.engine.structured import apply_grammars
+
+    class Done:
+        def is_terminated(self) -> bool:
+            return True
+
+        def fill_next_token_bitmask(self, bitmask, index) -> None:
+            raise AssertionError("a terminated matcher was asked for a mask")
+
+    class Seq:
+        grammar = Done()
+
+    logits = torch.zeros(1, 32)
+    assert torch.equal(apply_grammars(logits, [Seq()]), torch.zeros(1, 32))
