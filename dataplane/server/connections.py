@@ -4,6 +4,9 @@ response, loses its connection instead of holding it (and the request's admissio
 - head: from the connection's start, or the end of its previous response, the next request head must
   arrive within `header_timeout_seconds` (uvicorn's keep-alive timer stops at the first byte, so a client
   sending its head one byte at a time would otherwise keep the connection).
+- upgrade: bytes a client sends right behind its WebSocket upgrade head (its first frame, before the
+  101 came back) reach the WebSocket; uvicorn's protocols passed on only the head and dropped them, so
+  that request was never answered.
 - send: once the transport's write buffer is full, the client must take data again within
   `send_timeout_seconds`; else the connection is aborted, the app sees a disconnect and its request is
   cancelled (engine request aborted, KV blocks and admission place freed).
@@ -31,13 +34,28 @@ class _Deadlines:
     send_timeout: float
     on_timeout: OnTimeout
     head_error: type[Exception] = ValueError  # what the parser turns into a 400 (httptools)
+    upgrade_error: type[Exception] = ValueError  # what the parser raises at an upgrade head (httptools)
     _head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._send_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
+        self._after_upgrade = b""
+        parser = getattr(self, "parser", None)
+        if parser is not None:  # httptools: its upgrade exception says where the head ended
+            self.parser = _UpgradeOffset(parser, self)
         self._arm_head_deadline()
+
+    def handle_websocket_upgrade(self, *args: Any) -> None:
+        super().handle_websocket_upgrade(*args)  # type: ignore[misc]
+        rest = self._after_upgrade
+        conn = getattr(self, "conn", None)
+        if conn is not None:  # h11 keeps what followed the head
+            rest = bytes(conn.trailing_data[0])
+        self._after_upgrade = b""
+        if rest:
+            self.transport.get_protocol().data_received(rest)  # type: ignore[attr-defined]
 
     def _arm_head_deadline(self) -> None:
         if self._head_timer is not None:
@@ -102,6 +120,25 @@ class _Deadlines:
         super().connection_lost(exc)  # type: ignore[misc]
 
 
+class _UpgradeOffset:
+    """httptools' parser, keeping the bytes after an upgrade head for the WebSocket that takes over."""
+
+    def __init__(self, parser: Any, owner: _Deadlines) -> None:
+        self._parser = parser
+        self._owner = owner
+
+    def feed_data(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except self._owner.upgrade_error as exc:
+            if exc.args:
+                self._owner._after_upgrade = bytes(data[exc.args[0] :])
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
 def protocol_class(settings: ServerSettings, on_timeout: OnTimeout) -> type[asyncio.Protocol]:
     """uvicorn's fastest available HTTP protocol (httptools, else h11) with the deadlines above."""
     attrs: dict[str, Any] = {
@@ -114,6 +151,7 @@ def protocol_class(settings: ServerSettings, on_timeout: OnTimeout) -> type[asyn
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
 
         attrs["head_error"] = httptools.HttpParserError
+        attrs["upgrade_error"] = httptools.HttpParserUpgrade
     except ImportError:  # httptools is optional
         from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
     return type(f"Guarded{base.__name__}", (_Deadlines, base), attrs)

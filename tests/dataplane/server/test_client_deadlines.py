@@ -4,7 +4,11 @@ second here; the defaults are in settings.py."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,4 +158,92 @@ def test_a_stream_nobody_reads_is_aborted_and_frees_its_places(server: GuardedSe
         timeout=30,
     )
     assert answer.status_code == 200
+    sock.close()
+
+
+def websocket_upgrade(server: GuardedServer, *, rcvbuf: int | None = None) -> tuple[socket.socket, bytes]:
+    """A raw socket and the upgrade head for /v1/stream (the caller sends it)."""
+    sock = connect(server, rcvbuf=rcvbuf)
+    key = base64.b64encode(os.urandom(16)).decode()
+    upgrade = (
+        f"GET /v1/stream?api_key={KEY} HTTP/1.1\r\nHost: test\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+    return sock, upgrade
+
+
+def text_frame(data: dict) -> bytes:
+    """One masked text frame, as a client sends it."""
+    payload = json.dumps(data).encode()
+    mask = os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return b"\x81" + bytes([0x80 | 126]) + len(payload).to_bytes(2, "big") + mask + masked
+
+
+def read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
+    deadline = time.monotonic() + timeout
+    data = b""
+    while marker not in data and time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            got = sock.recv(65536)
+        except TimeoutError:
+            break
+        if not got:
+            break
+        data += got
+    return data
+
+
+def test_a_websocket_request_sent_with_its_upgrade_head_is_answered(server: GuardedServer):
+    """A first frame that arrives in the same read as the upgrade head (n=8 here) was dropped by
+    uvicorn's HTTP protocol, so that request was never admitted nor answered."""
+    sock, upgrade = websocket_upgrade(server)
+    request = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3, "n": 8, "ignore_eos": True}
+    sock.sendall(upgrade + text_frame(request))  # one write: one segment on loopback
+    data = read_until(sock, b'"type":"done"', 60)
+    assert data.startswith(b"HTTP/1.1 101"), data[:200]
+    assert b'"type":"start"' in data and b'"type":"done"' in data, data[-300:]
+    indices = {int(m) for m in re.findall(rb'"index":(\d+)', data)}
+    assert indices == set(range(8))
+    sock.close()
+
+
+def test_a_websocket_request_with_n_8_is_answered(server: GuardedServer):
+    from websockets.sync.client import connect as ws_connect
+
+    url = server.url.replace("http://", "ws://") + f"/v1/stream?api_key={KEY}"
+    with ws_connect(url, max_size=None) as ws:
+        ws.send(json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 3, "n": 8, "ignore_eos": True}))
+        messages = []
+        while not messages or messages[-1]["type"] not in ("done", "error"):
+            messages.append(json.loads(ws.recv(timeout=60)))
+    assert messages[0]["type"] == "start" and messages[-1]["type"] == "done", messages[-1]
+    texts: dict[int, str] = {}
+    for message in messages[1:-1]:
+        for choice in message["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert sorted(texts) == list(range(8))
+    assert messages[-1]["usage"]["completion_tokens"] == 8 * 3
+
+
+def test_a_websocket_nobody_reads_is_closed_and_frees_its_places(server: GuardedServer):
+    """The same over the WebSocket: a message the client does not take within the send deadline ends
+    its request (before, the send waited for good and the request kept its places)."""
+    engine = server.engine("tiny", "v1")
+    free_before = engine.stats().num_free_blocks
+    before = server.metric("modelfleet_client_timeouts_total", reason="send")
+    sock, upgrade = websocket_upgrade(server, rcvbuf=2048)
+    sock.sendall(upgrade)
+    assert read_until(sock, b"\r\n\r\n", 30).startswith(b"HTTP/1.1 101")  # as RFC 6455 clients do
+    request = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 480, "n": 8, "logprobs": 5}
+    sock.sendall(text_frame({**request, "ignore_eos": True}))
+    gate = server.dataplane.admission
+    timed_out = lambda: server.metric("modelfleet_client_timeouts_total", reason="send") > before  # noqa: E731
+    # Admitted, a place per sequence (on a loaded machine the 0.5 s deadline may already have ended it).
+    assert wait_until(lambda: gate.running == 8 or timed_out(), 30)
+    assert wait_until(lambda: gate.running == 0, 20), "the unread socket still holds its places"
+    assert server.metric("modelfleet_client_timeouts_total", reason="send") == before + 1
+    assert wait_until(lambda: engine.stats().num_running == 0, 5)
+    assert wait_until(lambda: engine.stats().num_free_blocks == free_before, 5)
     sock.close()
