@@ -7,6 +7,10 @@ the same prompts through the same kind of engine the server loads (a child proce
 the CPU), without HTTP, so the server's overhead shows.
     python bench/serve.py --demo small --num-prompts 64 --max-concurrency 8
     python bench/serve.py --base-url http://localhost:8000 --model-name demo --request-rate 4
+
+--structured measures structured output instead: the same chat prompts, plain and then constrained by a
+JSON schema (response_format), against one server in the same run; one JSON line for each.
+    python bench/serve.py --demo small --structured --num-prompts 128 --max-concurrency 64
 """
 
 from __future__ import annotations
@@ -120,6 +124,94 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
         return result.done()
 
     return send
+
+
+# --structured's default schema: an array far longer than any output, so every token is constrained.
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 4096}
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+WORDS = "the a of to in is it that for on with as was by at from this be or are an have".split()  # noqa: SIM905
+
+
+def chat_prompts(n: int, input_len: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
+
+
+def chat_sender(session: aiohttp.ClientSession, url: str, model: str, output_len: int, schema: dict | None):
+    """Streams one chat completion per call, constrained by `schema` (response_format) when given. A plain
+    one ignores end of sequence; a constrained one cannot (its JSON ends it), so its schema must not end
+    within output_len tokens for the two to produce as many tokens (each line reports its count)."""
+
+    async def send(prompt: str) -> Result:
+        body: dict = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if schema is None:
+            body["ignore_eos"] = True
+        else:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "bench", "schema": schema},
+            }
+        result = Result()
+        try:
+            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                if response.status != 200:
+                    result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
+                    return result
+                async for raw in response.content:
+                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(raw[6:])
+                    if "error" in chunk:
+                        result.error = chunk["error"]["message"]
+                        return result
+                    if chunk.get("usage"):
+                        result.output_tokens = chunk["usage"]["completion_tokens"]
+                    if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                        result.arrived()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        return result.done()
+
+    return send
+
+
+async def run_structured(url: str, model: str, args, schema: dict) -> list[dict]:
+    """Plain, then JSON-schema chat completions of the same prompts on one server; both warmed first (the
+    schema's grammar is compiled once, by the warm-up)."""
+    prompts = chat_prompts(args.num_prompts, args.input_len, args.seed)
+    reports = []
+    async with http_session(args.max_concurrency or len(prompts)) as session:
+        senders = {
+            "plain": chat_sender(session, url, model, args.output_len, None),
+            "json_schema": chat_sender(session, url, model, args.output_len, schema),
+        }
+        for send in senders.values():
+            await run_load(send, prompts[:2], float("inf"), None, args.seed)
+        for mode, send in senders.items():
+            results, duration = await run_load(
+                send, prompts, args.request_rate, args.max_concurrency, args.seed
+            )
+            reports.append({"mode": mode, **summarize(results, duration, args.input_len)})
+    plain = reports[0]["output_throughput_tok_s"]
+    if plain:
+        reports[1]["structured_vs_plain_output_throughput"] = round(
+            reports[1]["output_throughput_tok_s"] / plain, 3
+        )
+    return reports
 
 
 def engine_sender(engine, output_len: int):
@@ -284,6 +376,12 @@ def main() -> int:
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", help="engine setting")
     parser.add_argument("--no-baseline", action="store_true", help="skip the in-process engine baseline")
     parser.add_argument("--demo-dir", type=Path, default=Path(".modelfleet/bench"))
+    parser.add_argument(
+        "--structured", action="store_true", help="plain vs JSON-schema chat completions, one line each"
+    )
+    parser.add_argument(
+        "--json-schema", type=Path, help="the schema file for --structured (default: built in)"
+    )
     args = parser.parse_args()
 
     model_dir = args.model
@@ -310,6 +408,20 @@ def main() -> int:
         "max_concurrency": args.max_concurrency,
         "cpu_count": os.cpu_count(),
     }
+    if args.structured:
+        schema = json.loads(args.json_schema.read_text()) if args.json_schema else LONG_SCHEMA
+        process, url = (
+            (None, args.base_url) if args.base_url else start_server(model_dir, args.model_name, args.engine)
+        )
+        try:
+            lines = asyncio.run(run_structured(url, args.model_name, args, schema))
+        finally:
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=30)
+        for line in lines:
+            print(json.dumps({**report, "bench": "serve_structured", **line}))
+        return 0 if all(line["failed"] == 0 for line in lines) else 1
     if args.base_url:
         report["server"] = asyncio.run(run_http(args.base_url, args.model_name, args, prompts))
     else:
