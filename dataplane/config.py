@@ -34,6 +34,13 @@ class EngineConfig:
     # Ranks one model is split over (its attention heads, MLP and vocabulary): GPUs of one node (NCCL),
     # or processes on the CPU (gloo). It must divide the model's attention heads.
     tensor_parallel_size: int = 1
+    # Speculative decoding (engine/speculative.py): "none", "ngram" (drafts looked up in the prompt and
+    # output) or "draft" (a smaller checkpoint with the same tokenizer, speculative_draft_model). Steps then
+    # read their tokens back before the next is planned, and verify steps run without CUDA graphs.
+    speculative_proposer: str = "none"
+    # Draft tokens verified per sequence and step, at most.
+    num_speculative_tokens: int = 4
+    speculative_draft_model: str | None = None
 
     def __post_init__(self) -> None:
         self.model = str(self.model)
@@ -61,6 +68,7 @@ class EngineConfig:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
             _check_tensor_parallel(self)
+        _check_speculative(self)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
@@ -117,6 +125,27 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             raise ValueError(
                 f"tensor_parallel_size: {config.tensor_parallel_size} exceeds the {count} GPUs of this node"
             )
+
+
+def _check_speculative(config: EngineConfig) -> None:
+    proposers = ("none", "ngram", "draft")
+    if config.speculative_proposer not in proposers:
+        raise ValueError(
+            f"speculative_proposer: {config.speculative_proposer!r} is not one of {', '.join(proposers)}"
+        )
+    _positive_int("num_speculative_tokens", config.num_speculative_tokens)
+    draft = config.speculative_draft_model
+    if (draft is not None) != (config.speculative_proposer == "draft"):
+        raise ValueError(
+            "speculative_draft_model: set it exactly when speculative_proposer is 'draft' "
+            f"(proposer {config.speculative_proposer!r}, draft model {draft!r})"
+        )
+    if draft is not None:
+        config.speculative_draft_model = draft = str(draft)
+        if not Path(draft).is_dir():
+            raise ValueError(f"speculative_draft_model: {draft!r} is not a checkpoint directory")
+    if config.speculative_proposer != "none" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_proposer: speculative decoding runs with tensor_parallel_size 1 only")
 
 
 def _positive_int(name: str, value: Any) -> None:

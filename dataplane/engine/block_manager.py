@@ -181,6 +181,19 @@ class BlockManager:
             if block_id not in busy:
                 self._release(block_id)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Rolls back slots past `num_tokens` (a speculative step's rejected drafts): the blocks beyond
+        them are freed. They hold no named prefix (only tokens on the host are named), so they are
+        handed out first again."""
+        num_kept = -(-num_tokens // self.block_size)
+        for block_id in seq.block_ids[num_kept:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        del seq.block_ids[num_kept:]
+
     def reset_prefix_cache(self) -> None:
         for block_id in self._cached.values():
             self.blocks[block_id].block_hash = None
@@ -241,7 +254,8 @@ class BlockManager:
         assert host is not None
         for request_id in request_ids:
             orphaned = self._orphaned.pop(request_id, None)
-            for device_id, host_id, block_hash in orphaned or self._loading.pop(request_id, ()):
+            loads = orphaned if orphaned is not None else self._loading.pop(request_id, [])
+            for device_id, host_id, block_hash in loads:
                 host.unpin(host_id)
                 block = self.blocks[device_id]
                 if block.block_hash is None and block_hash not in self._cached:

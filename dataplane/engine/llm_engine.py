@@ -4,6 +4,11 @@ A step launches the next batch on the device before it reads back the previous b
 host's work (post-processing, scheduling, preparing inputs) overlaps the device's instead of leaving it
 idle between steps. Outputs therefore come one `step()` call after the tokens were computed, and a
 sequence that stops on a sampled token has one more row computed for it that is thrown away.
+
+With speculative decoding (EngineConfig.speculative_proposer) steps do not overlap: each one's tokens
+are read back before the next is planned. A proposer reads the tokens on the host (an n-gram lookup),
+or its model needs them as inputs (a draft model), and how many drafts a step accepts decides where the
+next step's tokens sit; planning on tokens in flight would have to guess both.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from modelfleet.dataplane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.model_runner import LaunchedStep
+    from modelfleet.dataplane.engine.speculative import Speculator, VerifiedStep
+    from modelfleet.dataplane.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +136,8 @@ class LLMEngine(PromptChecks):
         self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         # Encoding from several threads at once trips the fast tokenizer's internal borrow checks.
         self._tokenizer_lock = threading.Lock()
-        self.runner = (runner_class or ModelRunner)(config, max_model_len)
+        runner_config = _share_kv_budget_with_draft(config, model_config)
+        self.runner = (runner_class or ModelRunner)(runner_config, max_model_len)
         max_model_len = self.runner.max_model_len  # a runner may take fewer tokens (an engine profile)
         self.model_config = self.runner.model_config
         self.vocab_size = self.model_config.vocab_size
@@ -153,13 +161,29 @@ class LLMEngine(PromptChecks):
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        speculates = config.speculative_proposer != "none"
+        num_speculative_tokens = config.num_speculative_tokens if speculates else 0
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            num_speculative_tokens=num_speculative_tokens,
         )
+        self.speculator: Speculator | None = None
+        if config.speculative_proposer != "none":
+            from modelfleet.dataplane.engine.speculative import Speculator
+
+            if not isinstance(self.runner, ModelRunner):
+                raise ValueError("speculative_proposer: speculative decoding needs the torch model runner")
+            self.speculator = Speculator(
+                self.runner,
+                config.speculative_proposer,
+                config.num_speculative_tokens,
+                config.speculative_draft_model,
+                config.seed,
+            )
         self._requests: dict[str, _RequestState] = {}
         # The step on the device whose tokens have not been read back yet.
         self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None
@@ -188,6 +212,8 @@ class LLMEngine(PromptChecks):
         self.block_manager.reset_prefix_cache()
         self.block_manager.num_query_tokens = self.block_manager.num_hit_tokens = 0
         self.scheduler.num_preemptions = 0
+        if self.speculator is not None:
+            self.speculator.reset_counts()
 
     @classmethod
     def from_kwargs(cls, model: Any, **kwargs: Any) -> LLMEngine:
@@ -316,19 +342,24 @@ class LLMEngine(PromptChecks):
                 s for s in scheduled.scheduled if s.seq.status is not SequenceStatus.FINISHED
             ]
         if scheduled is not None and not scheduled.is_empty:
+            if self.speculator is not None:
+                # Synchronous: see the module's docstring.
+                return outputs + self._process(scheduled, self.speculator.run(scheduled.scheduled))
             launched = (scheduled, self.runner.launch(scheduled))
         if self._launched is not None:
             outputs += self._process(*self._launched)
         self._launched = launched
         return outputs
 
-    def _process(self, scheduled: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+    def _process(
+        self, scheduled: SchedulerOutput, launched: LaunchedStep | VerifiedStep
+    ) -> list[RequestOutput]:
         """The step's tokens into its sequences: stop checks, detokenization, outputs."""
         result = launched.result()
         outputs: list[RequestOutput] = []
         errors = result.errors
         failed: list[tuple[str, str]] = []
-        token_ids = result.token_ids
+        token_ids: list[int | list[int] | None] = list(result.token_ids)
         if errors.count(None) != len(errors):
             failed = [
                 (item.seq.request_id, e)
@@ -431,7 +462,42 @@ class LLMEngine(PromptChecks):
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=bm.num_query_tokens,
             prefix_cache_hits=bm.num_hit_tokens,
+            **self._speculative_stats(),
         )
+
+    def _speculative_stats(self) -> dict[str, Any]:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return {
+            "spec_num_drafts": spec.num_drafts,
+            "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_acceptance_rate": spec.acceptance_rate,
+            "spec_mean_accepted_length": spec.mean_accepted_length,
+        }
+
+
+def _share_kv_budget_with_draft(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """The target runner's config: with a draft model, whose KV cache has as many blocks as the
+    target's, the KV budget is split between the two in proportion to their bytes per block."""
+    if config.speculative_draft_model is None:
+        return config
+    import dataclasses
+
+    import torch
+    from modelfleet.dataplane.models import kv_cache_block_bytes
+    from modelfleet.dataplane.models.config import ModelConfig
+
+    draft_config = ModelConfig.from_dir(config.speculative_draft_model)
+    target_bytes = kv_cache_block_bytes(model_config, config.block_size, torch.float32)
+    draft_bytes = kv_cache_block_bytes(draft_config, config.block_size, torch.float32)
+    share = target_bytes / (target_bytes + draft_bytes)
+    return dataclasses.replace(
+        config,
+        kv_cache_bytes=max(1, int(config.kv_cache_bytes * share)),
+        kv_cache_memory_fraction=config.kv_cache_memory_fraction * share,
+    )
 
 
 def load_tokenizer(auto_tokenizer: Any, model_dir: str) -> Any:

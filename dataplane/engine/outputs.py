@@ -93,3 +93,10 @@ class EngineStats:
     # Counters (not the ratio above) are what sums across pods.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding, since the engine started (0 without it): verifications of drafts, draft
+    # tokens, draft tokens accepted; accepted / drafted; tokens a sequence gains per verification.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0

@@ -27,6 +27,8 @@ class ScheduledSequence:
     num_new_tokens: int
     # Whether this step reaches the sequence's last token, so a new token is sampled.
     samples: bool
+    # Slots held after the new tokens for draft tokens to verify (speculative decoding), at most.
+    num_lookahead: int = 0
 
 
 @dataclass
@@ -47,12 +49,16 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # > 0: a decode of a sequence that speculates holds this many more slots for its drafts. The
+        # engine then reads every step's tokens back before it plans the next (see LLMEngine.step).
+        self.num_speculative_tokens = num_speculative_tokens
         # Both kept sorted by Sequence.sort_key.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -82,7 +88,10 @@ class Scheduler:
                 i += 1  # `update` finishes it
                 continue
             num_new = min(seq.num_tokens_with_inflight - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new):
+            lookahead = self._lookahead(seq, num_new, budget)
+            if lookahead and not self.block_manager.allocate_slots(seq, num_new + lookahead):
+                lookahead = 0  # no blocks for drafts: decode without them rather than preempt
+            while not lookahead and not self.block_manager.allocate_slots(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_for_running = True
@@ -90,8 +99,8 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            self._plan(out, seq, seq.num_computed_tokens, num_new)
-            budget -= num_new
+            self._plan(out, seq, seq.num_computed_tokens, num_new, lookahead)
+            budget -= num_new + lookahead
             i += 1
 
         # Waiting requests, unless this step already had to free blocks.
@@ -120,6 +129,7 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 seq.num_cached_tokens = num_hit_tokens
             seq.num_computed_tokens = num_hit_tokens
+            seq.num_draft_computed = num_hit_tokens  # a draft's KV shares the target's blocks
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_sort_key)
             self._plan(out, seq, num_hit_tokens, num_new)
@@ -127,19 +137,34 @@ class Scheduler:
 
         return out
 
-    def _plan(self, out: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int) -> None:
+    def _lookahead(self, seq: Sequence, num_new: int, budget: int) -> int:
+        """Draft slots for a decode of a sequence that speculates: at most num_speculative_tokens,
+        within the step's budget and the tokens the sequence may still produce."""
+        k = self.num_speculative_tokens
+        if not k or not seq.speculates or seq.num_computed_tokens + num_new != seq.num_tokens_with_inflight:
+            return 0
+        room = min(
+            seq.params.max_tokens - seq.num_output_tokens - seq.num_inflight,
+            self.max_model_len - seq.num_tokens_with_inflight,
+        )
+        return max(0, min(k, budget - num_new, room - 1))
+
+    def _plan(
+        self, out: SchedulerOutput, seq: Sequence, num_computed: int, num_new: int, lookahead: int = 0
+    ) -> None:
         """Puts the sequence into this step; its computed tokens and tokens in flight count the step
         as done, so that the next step can be planned before this one's tokens are known."""
         samples = num_computed + num_new == seq.num_tokens_with_inflight
-        out.scheduled.append(ScheduledSequence(seq, num_computed, num_new, samples))
+        out.scheduled.append(ScheduledSequence(seq, num_computed, num_new, samples, lookahead))
         seq.num_computed_tokens = num_computed + num_new
         if samples:
             seq.num_inflight += 1
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> list[Sequence]:
         """Records a step's sampled tokens. `sampled_token_ids` is aligned with `out.scheduled` (None where
-        the step sampled nothing, or failed). Returns the sequences that got a token, finished ones
-        included. A sequence preempted since the step was planned still gets its token."""
+        the step sampled nothing, or failed; a list for a verify step's accepted drafts and the target's
+        token). Returns the sequences that got a token, finished ones included. A sequence preempted
+        since the step was planned still gets its token."""
         updated = []
         now = time.monotonic()
         finished = SequenceStatus.FINISHED
@@ -151,14 +176,33 @@ class Scheduler:
             seq.num_inflight -= 1
             if token_id is None:
                 continue
-            seq.append_token(token_id)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = seq.check_stop(max_model_len)
-            if reason is not None:
-                self.finish(seq.request_id, reason)
+            if isinstance(token_id, list):
+                self._accept(item, token_id)
+            else:
+                seq.append_token(token_id)
+                reason = seq.check_stop(max_model_len)
+                if reason is not None:
+                    self.finish(seq.request_id, reason)
             updated.append(seq)
         return updated
+
+    def _accept(self, item: ScheduledSequence, token_ids: list[int]) -> None:
+        """A verify step's tokens, up to the first that stops the sequence. The accepted drafts' KV is
+        in the cache; the slots of rejected ones are given back (their keys and values are overwritten
+        by the tokens that take those positions later, and no block holding them was named for the
+        prefix cache: only tokens on the host are)."""
+        seq = item.seq
+        for token_id in token_ids:
+            seq.append_token(token_id)
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                self.finish(seq.request_id, reason)
+                return
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens + len(token_ids) - 1
+            self.block_manager.trim(seq, seq.num_computed_tokens)
 
     def finish(self, request_id: str, reason: str, error: str | None = None) -> Sequence | None:
         """Ends a request now (stop, length, abort, error) and frees its blocks. None if unknown."""

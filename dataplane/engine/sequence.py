@@ -60,6 +60,11 @@ class Sequence:
         # needs only temperatures (the fused sampler) and whether penalties read the tokens on the host.
         self.temperature_only = params.temperature_only
         self.has_penalties = params.has_penalties
+        # Whether a speculative engine proposes drafts for it (engine/speculative.py): temperature-only
+        # sampling without a seed of its own (no penalties, filters, logprobs or grammar).
+        self.speculates = params.temperature_only and params.seed is None
+        # Tokens whose keys and values a draft model has in its cache (speculative.DraftProposer).
+        self.num_draft_computed = 0
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
