@@ -23,6 +23,9 @@ class EngineConfig:
     # KV-cache budget on accelerators: this fraction of the memory free after loading the model.
     kv_cache_memory_fraction: float = 0.9
     enable_prefix_caching: bool = True
+    # Host memory for prefix-cache blocks evicted from the KV cache, in bytes (pinned on CUDA); requests
+    # whose prefix hits them copy them back instead of recomputing them. 0: off.
+    host_kv_cache_bytes: int = 0
     enable_chunked_prefill: bool = True
     # "auto": bfloat16 on accelerators, float32 on the CPU.
     dtype: str = "auto"
@@ -52,6 +55,10 @@ class EngineConfig:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("block_size", self.block_size)
         _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        if isinstance(self.host_kv_cache_bytes, bool) or not isinstance(self.host_kv_cache_bytes, int):
+            raise ValueError(f"host_kv_cache_bytes: {self.host_kv_cache_bytes!r} must be an integer (0: off)")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes: {self.host_kv_cache_bytes} must be 0 (off) or more")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
             if self.max_model_len < 2:

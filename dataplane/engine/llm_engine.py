@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from modelfleet.dataplane.config import EngineConfig, check_prefill_fits
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
+from modelfleet.dataplane.engine.host_kv import HostTier
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput, request_output
 from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
@@ -158,8 +159,15 @@ class LLMEngine(PromptChecks):
         # Requests whose grammar a worker is compiling: they join the scheduler once it is ready.
         self._compiling: dict[str, tuple[Sequence, Future[Any]]] = {}
 
+        # Prefix-cache blocks evicted from the KV cache spill to host memory (engine/host_kv.py).
+        self.host_tier: HostTier | None = None
+        if config.host_kv_cache_bytes and config.enable_prefix_caching:
+            self.host_tier = HostTier(self.runner, config.host_kv_cache_bytes)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            host=None if self.host_tier is None else self.host_tier.pool,
         )
         speculates = config.speculative_proposer != "none"
         num_speculative_tokens = config.num_speculative_tokens if speculates else 0
@@ -211,6 +219,7 @@ class LLMEngine(PromptChecks):
             self.step()
         self.block_manager.reset_prefix_cache()
         self.block_manager.num_query_tokens = self.block_manager.num_hit_tokens = 0
+        self.block_manager.num_host_hit_tokens = self.block_manager.num_spills = 0
         self.scheduler.num_preemptions = 0
         if self.speculator is not None:
             self.speculator.reset_counts()
@@ -329,7 +338,11 @@ class LLMEngine(PromptChecks):
     def step(self) -> list[RequestOutput]:
         """Launches the next step, then processes the tokens of the one launched before it."""
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
+        if self.host_tier is not None:
+            self.host_tier.poll(self.block_manager)
         scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        if self.host_tier is not None:  # spills before the step that may overwrite their blocks
+            self.host_tier.issue(self.block_manager)
         launched = None
         if scheduled is not None and self._launched is not None and _needs_host_tokens(scheduled):
             # Penalties read the sequence's tokens on the host, a grammar must have followed them: the
@@ -462,6 +475,8 @@ class LLMEngine(PromptChecks):
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=bm.num_query_tokens,
             prefix_cache_hits=bm.num_hit_tokens,
+            host_kv_hits=bm.num_host_hit_tokens,
+            host_kv_spills=bm.num_spills,
             **self._speculative_stats(),
         )
 

@@ -93,6 +93,10 @@ class EngineStats:
     # Counters (not the ratio above) are what sums across pods.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # The host KV tier: prompt tokens whose blocks were copied back from host memory (counted in the
+    # prefix-cache hits too once copied), and blocks copied to host memory.
+    host_kv_hits: int = 0
+    host_kv_spills: int = 0
     # Speculative decoding, since the engine started (0 without it): verifications of drafts, draft
     # tokens, draft tokens accepted; accepted / drafted; tokens a sequence gains per verification.
     spec_num_drafts: int = 0

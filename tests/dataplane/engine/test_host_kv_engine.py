@@ -1,0 +1,101 @@
+"""The host KV tier in the engine, on the CPU (the host pool is a second pool beside the CPU's KV cache):
+the same greedy tokens with the tier on and off while prefixes twice the KV cache come and go, hits and
+spills counted, and nothing lost when the host pool is full."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from modelfleet.dataplane import LLM, SamplingParams
+from modelfleet.dataplane.engine.host_kv import KVSwapper
+
+BLOCK = 16
+BLOCK_BYTES = 8192  # the tiny model's float32 block of 16 tokens
+NUM_BLOCKS = 16
+PREFIX_BLOCKS = 4
+NUM_PREFIXES = 8  # 32 blocks of prefixes: twice the KV cache
+
+
+def make_llm(tiny_model_dir, host_blocks: int) -> LLM:
+    return LLM(
+        tiny_model_dir,
+        max_model_len=256,
+        max_num_seqs=2,
+        kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES,
+        host_kv_cache_bytes=host_blocks * BLOCK_BYTES,
+        dtype="float32",
+        device="cpu",
+    )
+
+
+def workload() -> list[list[list[int]]]:
+    """Rounds of two requests each: every prefix twice, with different suffixes, the second time after
+    the others have pushed it out of the KV cache."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(4, 512) for _ in range(PREFIX_BLOCKS * BLOCK)] for _ in range(NUM_PREFIXES)]
+    order = list(range(NUM_PREFIXES)) * 2
+    prompts = [prefixes[i] + [rng.randrange(4, 512) for _ in range(5)] for i in order]
+    return [prompts[i : i + 2] for i in range(0, len(prompts), 2)]
+
+
+def run(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for batch in workload():
+        tokens += [out.token_ids for out in llm.generate(batch, params)]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tokens_without_tier(tiny_model_dir) -> list[list[int]]:
+    llm = make_llm(tiny_model_dir, host_blocks=0)
+    assert llm.engine.host_tier is None
+    tokens = run(llm)
+    # The second round recomputes: its prefixes have left the KV cache.
+    assert llm.stats().prefix_cache_hits == 0
+    return tokens
+
+
+def test_tier_gives_the_same_tokens_and_turns_evictions_into_hits(tiny_model_dir, tokens_without_tier):
+    llm = make_llm(tiny_model_dir, host_blocks=64)
+    assert run(llm) == tokens_without_tier
+    stats = llm.stats()
+    # Every prefix of the second round came back from the host: 8 prefixes of 4 blocks.
+    assert stats.host_kv_hits == NUM_PREFIXES * PREFIX_BLOCKS * BLOCK
+    assert stats.prefix_cache_hits == stats.host_kv_hits
+    assert stats.host_kv_spills >= NUM_PREFIXES * PREFIX_BLOCKS
+    assert stats.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_full_host_pool_loses_hits_but_no_tokens(tiny_model_dir, tokens_without_tier):
+    llm = make_llm(tiny_model_dir, host_blocks=20)  # fewer than the prefixes need
+    assert run(llm) == tokens_without_tier
+    stats = llm.stats()
+    assert len(llm.engine.host_tier.pool) == 20
+    assert 0 < stats.host_kv_hits < NUM_PREFIXES * PREFIX_BLOCKS * BLOCK
+    assert stats.num_free_blocks == NUM_BLOCKS
+
+
+def test_the_tokens_depend_on_the_copies(tiny_model_dir, tokens_without_tier, monkeypatch):
+    """The check above can fail: loads that copy nothing leave other prefixes' keys in the blocks."""
+    issue = KVSwapper.issue
+
+    def spills_only(self, copies):
+        done = list(copies.loads)
+        copies.loads = {}
+        issue(self, copies)
+        return done
+
+    monkeypatch.setattr(KVSwapper, "issue", spills_only)
+    llm = make_llm(tiny_model_dir, host_blocks=64)
+    assert llm.stats().host_kv_hits == 0
+    assert run(llm) != tokens_without_tier
+    assert llm.stats().host_kv_hits > 0
+
+
+def test_host_tier_setting_is_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"^host_kv_cache_bytes:"):
+        make_llm(tiny_model_dir, host_blocks=-1)
+    with pytest.raises(ValueError, match=r"^host_kv_cache_bytes: 100 bytes hold no KV block"):
+        LLM(tiny_model_dir, kv_cache_bytes=1 << 20, host_kv_cache_bytes=100, dtype="float32", device="cpu")
