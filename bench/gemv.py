@@ -6,6 +6,11 @@ of a captured decode step; consecutive calls read different weight copies (more 
 as a model's consecutive layers do. Prints one JSON line: microseconds per call, weight-read TB/s, speedup.
 
     python bench/gemv.py [--m 1 2 4] [--dtype bfloat16]
+    python bench/gemv.py --weight-dtype int8 [--weight-dtype fp8]   # also the GEMV on 1-byte weights
+
+--weight-dtype adds, per shape, the GEMV reading the same weights quantized per channel (int8, or fp8
+e4m3 on GPUs that have it) with their scales: `<fmt>_us`, `<fmt>_tbps` (its weight and scale bytes read
+per second) and `<fmt>_speedup` over the bf16 GEMV of the same shape, measured the same way.
     python bench/gemv.py --sweep [--budget-s 150] [--out results.json]   # time a grid of launch configs
 
 --sweep compiles the grid in parallel worker processes first (Triton's disk cache keeps the kernels), then
@@ -90,7 +95,21 @@ def tbps(n: int, k: int, dtype: torch.dtype, us: float) -> float:
     return round(n * k * dtype.itemsize / us / 1e6, 3)
 
 
-def compare(ms: list[int], dtype: torch.dtype, device: torch.device) -> dict:
+def quantized_copies(n: int, k: int, fmt: str, device: torch.device) -> list[tuple]:
+    """(1-byte weight, float32 scale) pairs, as many as keep the set several times the L2."""
+    from modelfleet.dataplane.quantization import quantize
+
+    count = max(1, min(CALLS_PER_GRAPH, math.ceil(ROTATE_BYTES / (n * k))))
+    return [quantize(torch.randn(n, k, device=device) / math.sqrt(k), fmt) for _ in range(count)]
+
+
+def quantized_gemv(x: torch.Tensor, pair: tuple) -> torch.Tensor:
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    return gemv(x, pair[0], scale=pair[1])
+
+
+def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtypes: list[str]) -> dict:
     from modelfleet.dataplane.kernels.gemv import default_config
 
     rows = []
@@ -101,6 +120,15 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device) -> dict:
         ours = graph_us(gemv_call(), weights, x)
         config = default_config(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
         no_pdl = graph_us(gemv_call(dataclasses.replace(config, use_pdl=False)), weights, x)
+        del weights
+        quantized = {}
+        for fmt in weight_dtypes:
+            pairs = quantized_copies(n, k, fmt, device)
+            q_us = graph_us(quantized_gemv, pairs, x)
+            quantized[f"{fmt}_us"] = round(q_us, 2)
+            quantized[f"{fmt}_tbps"] = round((n * k + 4 * n) / q_us / 1e6, 3)
+            quantized[f"{fmt}_speedup"] = round(ours / q_us, 3)
+            del pairs
         rows.append(
             {
                 "model": model,
@@ -115,9 +143,9 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device) -> dict:
                 "cublas_tbps": tbps(n, k, dtype, base),
                 "gemv_tbps": tbps(n, k, dtype, ours),
                 "speedup": round(base / ours, 3),
+                **quantized,
             }
         )
-        del weights
         torch.cuda.empty_cache()
     per_model = {}
     for model in dict.fromkeys(s[0] for s in SHAPES):
@@ -126,6 +154,7 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device) -> dict:
             per_model[f"{model}_m{m}"] = {
                 "cublas_us": round(sum(r["cublas_us"] for r in sel), 2),
                 "gemv_us": round(sum(r["gemv_us"] for r in sel), 2),
+                **{f"{f}_us": round(sum(r[f"{f}_us"] for r in sel), 2) for f in weight_dtypes},
             }
     return {"per_shape": rows, "per_layer_sum": per_model}
 
@@ -268,6 +297,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1], help="token counts (rows of x)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument(
+        "--weight-dtype",
+        action="append",
+        default=[],
+        choices=["int8", "fp8"],
+        help="also time the GEMV on these 1-byte weights (not with --sweep)",
+    )
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configurations")
     parser.add_argument("--budget-s", type=float, default=150.0, help="--sweep: stop timing after this")
     parser.add_argument("--workers", type=int, default=14, help="--sweep: parallel compile processes")
@@ -283,7 +319,7 @@ def main() -> int:
         progress = f"{args.out}.partial" if args.out else None
         result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress)
     else:
-        result = compare(args.m, dtype, device)
+        result = compare(args.m, dtype, device, args.weight_dtype)
     result = {"device": torch.cuda.get_device_name(device), "dtype": args.dtype, **result}
     line = json.dumps(result)
     print(line)

@@ -13,6 +13,13 @@ weight once plus the KV cache, at the measured copy bandwidth. Prints one JSON l
 `speedup_tpN` (decode tokens/s over TP=1).
 
     python bench/latency.py --device cuda --preset llama-3.1-8b --tensor-parallel 2 --skip-hf
+
+--quantize int8 / --quantize fp8 (repeatable) also runs the engine on the converter's per-channel
+artifact of the same model (quantized on --device into a temporary folder) after the source model's
+run, on the same prompt: `engine_int8` with its own weight bytes and roofline, and `speedup_int8`
+(decode tokens/s over the source model's run, the baseline measured in the same process).
+
+    python bench/latency.py --device cuda --preset llama-3.2-1b --quantize int8 --quantize fp8 --skip-hf
 """
 
 from __future__ import annotations
@@ -35,15 +42,24 @@ from throughput import (
     copy_bandwidth_gbps,
     kv_bytes_per_token,
     model_args_problem,
+    quantized_artifact,
     weight_bytes_per_step,
 )
 
 
-def run_engine(args: argparse.Namespace, prompt: list[int], result: dict, tensor_parallel: int = 1) -> dict:
+def run_engine(
+    args: argparse.Namespace,
+    prompt: list[int],
+    result: dict,
+    tensor_parallel: int = 1,
+    model: str | None = None,
+) -> dict:
+    """Decode rates of args.model (or `model`, a quantized artifact of it); a one-rank run records the
+    model's weight and KV bytes in `result`."""
     from modelfleet.dataplane import LLM, SamplingParams
 
     llm = LLM(
-        args.model,
+        model or args.model,
         device=args.device,
         dtype=args.dtype,
         max_num_seqs=1,
@@ -107,6 +123,16 @@ def run_hf(args: argparse.Namespace, prompt: list[int], static: bool) -> dict:
     return summary(rates, ttfts)
 
 
+def roofline(args: argparse.Namespace, sizes: dict, engine: dict) -> float:
+    """Decode tokens/s if a mean step only read every weight and the KV of the mean context at the
+    measured copy bandwidth; notes the engine's share of it in `engine`."""
+    mean_context = args.input_len + args.output_len / 2
+    step_bytes = sizes["weight_bytes_per_step"] + mean_context * sizes["kv_bytes_per_token"]
+    tokens_per_s = sizes["copy_bandwidth_gbps"] * 1e9 / step_bytes
+    engine["pct_of_roofline"] = round(100 * engine["decode_tokens_per_s"] / tokens_per_s, 1)
+    return round(tokens_per_s, 1)
+
+
 def summary(rates: list[float], ttfts: list[float]) -> dict:
     rate = statistics.median(rates)
     return {
@@ -144,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tensor-parallel", type=int, default=1, help="also run the engine over N ranks (after TP=1)"
+    )
+    parser.add_argument(
+        "--quantize",
+        action="append",
+        choices=["int8", "fp8"],
+        help="also run the engine on this quantized artifact of the model (repeatable): engine_<fmt>",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -191,13 +223,19 @@ def run(args: argparse.Namespace) -> dict:
             result[f"engine_tp{tp}"]["decode_tokens_per_s"] / result["engine"]["decode_tokens_per_s"], 2
         )
     if "copy_bandwidth_gbps" in result:
-        # a mean decode step reads every weight and the KV of the mean context
-        mean_context = args.input_len + args.output_len / 2
-        step_bytes = result["weight_bytes_per_step"] + mean_context * result["kv_bytes_per_token"]
-        roofline = result["copy_bandwidth_gbps"] * 1e9 / step_bytes
-        result["roofline_tokens_per_s"] = round(roofline, 1)
-        result["engine"]["pct_of_roofline"] = round(
-            100 * result["engine"]["decode_tokens_per_s"] / roofline, 1
+        result["roofline_tokens_per_s"] = roofline(args, result, result["engine"])
+    for fmt in args.quantize or []:
+        with tempfile.TemporaryDirectory(prefix=f"bench-{fmt}-") as tmp:
+            record: dict = {}
+            record["engine"] = run_engine(
+                args, prompt, record, model=quantized_artifact(args.model, fmt, tmp, args.device)
+            )
+        engine = result[f"engine_{fmt}"] = record["engine"]
+        engine["weight_bytes_per_step"] = record["weight_bytes_per_step"]
+        if "copy_bandwidth_gbps" in result:
+            engine["roofline_tokens_per_s"] = roofline(args, result | record, engine)
+        result[f"speedup_{fmt}"] = round(
+            engine["decode_tokens_per_s"] / result["engine"]["decode_tokens_per_s"], 2
         )
     if not args.skip_hf:
         runs = {"hf": False, **({"hf_static": True} if args.hf_static else {})}

@@ -22,6 +22,13 @@ the one-rank baseline, on the same prompts: `engine_tpN` and `speedup_tpN` (outp
 
     python bench/throughput.py --device cuda --preset llama-3.1-8b --num-prompts 1000 \\
         --input-len 128 --output-len 128 --tensor-parallel 2 --skip-hf
+
+--quantize int8 / --quantize fp8 (repeatable) also runs the engine on the converter's per-channel
+artifact of the same model (built in a temporary folder), after the bf16 run and on the same prompts:
+`engine_int8`, `speedup_int8` (output tokens/s over the source model's run), each with its own roofline.
+
+    python bench/throughput.py --device cuda --preset llama-3.1-8b --num-prompts 1000 \\
+        --input-len 128 --output-len 128 --quantize fp8 --quantize int8 --skip-hf
 """
 
 from __future__ import annotations
@@ -114,10 +121,51 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / min(times[10:]) / 1e9
 
 
+def quantized_artifact(model_dir: str | Path, fmt: str, out_dir: str | Path, device: str = "cpu") -> str:
+    """The converter's int8/fp8 per-channel format of a bf16 checkpoint (its quantized linear weights
+    with their scales, every other tensor as it is), written to out_dir; an out_dir that already holds
+    this format is reused. Quantized on `device` (an 8B model's weights take minutes on the CPU)."""
+    from modelfleet.converters.checkpoint import QUANTIZED_SUFFIXES, SIDE_FILES
+    from modelfleet.dataplane.quantization import quantize
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(model_dir), Path(out_dir)
+    config = json.loads((src / "config.json").read_text())
+    done = out / "config.json"
+    if done.is_file() and json.loads(done.read_text()).get("quantization_config", {}).get("format") == fmt:
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    for shard in shards:
+        tensors = load_file(src / shard, device=device)
+        for name in list(tensors):
+            if name.endswith(QUANTIZED_SUFFIXES) and tensors[name].dim() == 2:
+                tensors[name], tensors[name + "_scale"] = quantize(tensors[name], fmt)
+        weight_map.update(dict.fromkeys(tensors, shard))
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(out / shard), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    config["quantization_config"] = {"quant_method": "modelfleet", "format": fmt, "group": "per-channel"}
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    done.write_text(json.dumps(config))  # last: its presence marks a finished artifact
+    return str(out)
+
+
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every parameter once, except an untied input embedding
-    (a step reads only its tokens' rows)."""
+    """Bytes of weights a decode step reads: every parameter once, and the buffers of quantized linears
+    (their 1-byte weights and scales), except an untied input embedding (a step reads only its tokens'
+    rows)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(
+        b.numel() * b.element_size()
+        for name, b in model.named_buffers()
+        if name.endswith((".weight", ".weight_scale"))
+    )
     tied = getattr(model.config, "tie_word_embeddings", False)
     if not tied:
         for name, p in model.named_parameters():
@@ -227,14 +275,19 @@ def engine_settings(args: argparse.Namespace, tensor_parallel: int = 1) -> dict:
 
 
 def run_engine(
-    args: argparse.Namespace, requests: list[tuple[list[int], int]], result: dict, tensor_parallel: int = 1
+    args: argparse.Namespace,
+    requests: list[tuple[list[int], int]],
+    result: dict,
+    tensor_parallel: int = 1,
+    model: str | None = None,
 ) -> float:
-    """Seconds to generate `requests`. The one-rank run records the start time and the roofline in
-    `result`; a tensor-parallel one (weights per rank differ) only its start time."""
+    """Seconds to generate `requests` with args.model (or `model`, a quantized artifact of it). The
+    one-rank run records the start time and the roofline in `result`; a tensor-parallel one (weights per
+    rank differ) only its start time."""
     from modelfleet.dataplane import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(args.model, **engine_settings(args, tensor_parallel))
+    llm = LLM(model or args.model, **engine_settings(args, tensor_parallel))
     suffix = "" if tensor_parallel == 1 else f"_tp{tensor_parallel}"
     result[f"engine_start_s{suffix}"] = round(time.perf_counter() - start, 1)
     prompts = [p for p, _ in requests]
@@ -296,6 +349,19 @@ def run_hf(args: argparse.Namespace, requests: list[tuple[list[int], int]]) -> f
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def run_quantized(
+    args: argparse.Namespace, requests: list[tuple[list[int], int]], result: dict, fmt: str
+) -> dict:
+    """The engine on the `fmt` artifact of args.model (built beside it), in the same run as the source's:
+    its rates, and its own weight bytes and roofline on a GPU."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-{fmt}-") as tmp:
+        model = quantized_artifact(args.model, fmt, tmp, args.device)
+        record = {k: result[k] for k in ("copy_bandwidth_gbps",) if k in result}
+        elapsed = run_engine(args, requests, record, model=model)
+    keys = ("engine_start_s", "weight_bytes_per_step", "roofline")
+    return rates(elapsed, requests) | {k: record[k] for k in keys if k in record}
 
 
 def rates(elapsed: float, requests: list[tuple[list[int], int]]) -> dict[str, float]:
@@ -360,6 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-hf", action="store_true", help="time our engine only")
     parser.add_argument(
+        "--quantize",
+        action="append",
+        choices=["int8", "fp8"],
+        help="also run the engine on this quantized artifact of the model (repeatable): engine_<fmt>",
+    )
+    parser.add_argument(
         "--tensor-parallel", type=int, default=1, help="also run the engine over N ranks (after TP=1)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -419,6 +491,11 @@ def run(args: argparse.Namespace) -> int:
         result[f"engine_tp{tp}"] = rates(run_engine(args, requests, result, tp), requests)
         result[f"speedup_tp{tp}"] = round(
             result[f"engine_tp{tp}"]["output_tokens_per_s"] / result["engine"]["output_tokens_per_s"], 2
+        )
+    for fmt in args.quantize or []:
+        result[f"engine_{fmt}"] = run_quantized(args, requests, result, fmt)
+        result[f"speedup_{fmt}"] = round(
+            result[f"engine_{fmt}"]["output_tokens_per_s"] / result["engine"]["output_tokens_per_s"], 2
         )
     # The baseline runs with the thread count the engine chose (or was given).
     result["threads"] = torch.get_num_threads()

@@ -316,7 +316,7 @@ def default_config(
 
     1-byte weights (weight_bytes=1) take K tiles twice as wide, so that a tile moves the same bytes as a
     bf16 one, where the fp32 copy of the tile stays small (4096 elements for one row of x, 2048 for more).
-    Untuned on an H100 so far: `bench/gemv.py --weight-dtype int8 --sweep` measures the alternatives."""
+    Not yet swept on an H100: `bench/gemv.py --weight-dtype int8` times them against bf16."""
     rows = min(m, MAX_ROWS_PER_PROGRAM)
     tuned = TUNED.get((n, k, rows))
     if tuned is not None:

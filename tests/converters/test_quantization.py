@@ -150,3 +150,46 @@ def test_fp8_row_quantization_on_cuda_matches_the_torch_reference(shape):
     torch.testing.assert_close(scale, ref_scale)
     ref_q = (x.float() / ref_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     torch.testing.assert_close(q.float(), ref_q.float(), atol=0, rtol=2**-3)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_the_benchmarks_quantized_artifact_is_the_converters(tmp_path, monkeypatch, fmt):
+    """bench/latency.py and bench/throughput.py --quantize build their artifact on the GPU themselves
+    (the converter's CPU pass takes minutes on 8B weights): it must hold what `modelfleet convert` writes."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from modelfleet.converters.checkpoint import read_checkpoint, write_torch
+    from modelfleet.dataplane.demo.model import create_demo_model
+    from safetensors.torch import load_file
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "bench"))
+    sys.modules.pop("throughput", None)
+    from throughput import quantized_artifact
+
+    source = create_demo_model(tmp_path / "src")
+    (tmp_path / "conv").mkdir()
+    write_torch(read_checkpoint(source), tmp_path / "conv", dtype="bf16", quant=fmt, serving_dtype="bf16")
+    bench = Path(quantized_artifact(source, fmt, tmp_path / "bench"))
+    converted = load_file(tmp_path / "conv" / "model.safetensors")
+    got = load_file(bench / "model.safetensors")
+    quantized = [name for name in converted if name.endswith("_scale")]
+    assert quantized and sorted(got) == sorted(converted)
+    for name in quantized:
+        weight_name = name.removesuffix("_scale")
+        assert (
+            got[weight_name].dtype
+            == converted[weight_name].dtype
+            == (FP8_DTYPE if fmt == "fp8" else torch.int8)
+        )
+        assert torch.equal(got[weight_name].view(torch.int8), converted[weight_name].view(torch.int8))
+        torch.testing.assert_close(got[name], converted[name], rtol=0, atol=0)
+    config = json.loads((bench / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "modelfleet",
+        "format": fmt,
+        "group": "per-channel",
+    }
+    assert (bench / "tokenizer.json").is_file()
+    assert quantized_artifact(source, fmt, bench) == str(bench)  # a finished artifact is reused
