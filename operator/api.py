@@ -163,6 +163,13 @@ class Engine(_Model):
         "kvCacheMemoryFraction.",
     )
     prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+    host_kv_cache_bytes: int = Field(
+        default=0,
+        ge=0,
+        le=1 << 40,
+        description="Host memory in bytes for prefix-cache KV blocks evicted from the device, copied back "
+        "when a prompt's prefix hits them; 0 (default) is off.",
+    )
 
 
 class TrafficEntry(_Model):

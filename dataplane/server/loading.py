@@ -125,7 +125,7 @@ def estimate_engine_bytes(spec: VersionSpec) -> int:
         per_seq = _onnx_cache_bytes(artifact, kwargs.get("max_model_len"))
         return weights + min(kv_bytes, per_seq * spec_max_num_seqs(spec))
     weights = sum(p.stat().st_size for p in artifact.glob("*.safetensors"))
-    return weights + kv_bytes
+    return weights + kv_bytes + int(kwargs.get("host_kv_cache_bytes", 0))  # and the host KV tier's pool
 
 
 def _onnx_cache_bytes(artifact: Path, max_model_len: Any) -> int:

@@ -35,6 +35,8 @@ def engine_settings(spec: InferenceModelSpec) -> dict[str, Any]:
         engine["max_model_len"] = spec.engine.max_model_len
     if spec.engine.kv_cache_bytes is not None:
         engine["kv_cache_bytes"] = spec.engine.kv_cache_bytes
+    if spec.engine.host_kv_cache_bytes:
+        engine["host_kv_cache_bytes"] = spec.engine.host_kv_cache_bytes
     if spec.hardware.count > 1:
         # One model split over the pod's devices (it requests that many), or on cpu over that many engine
         # processes (gloo); one device needs no setting.

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 MAX_NUM_SEQS = 3
 MAX_MODEL_LEN = 2048  # the tiny model's longest: streams that outlast the checks
 KV_CACHE_BYTES = 3 << 20  # fewer blocks than MAX_NUM_SEQS sequences of MAX_MODEL_LEN could use
+HOST_KV_CACHE_BYTES = 1 << 20
 
 
 def objects(artifact: Path) -> tuple[dict, dict]:
@@ -39,6 +40,7 @@ def objects(artifact: Path) -> tuple[dict, dict]:
                 "maxNumSeqs": MAX_NUM_SEQS,
                 "maxModelLen": MAX_MODEL_LEN,
                 "kvCacheBytes": KV_CACHE_BYTES,
+                "hostKvCacheBytes": HOST_KV_CACHE_BYTES,
             },
             "traffic": [{"version": "v1", "weight": 100}],
             "loading": {"mode": "eager"},
@@ -131,6 +133,11 @@ def test_spec_engine_is_what_the_server_runs_admits_and_scales_on(
     model = ModelConfig.from_dir(tiny_model_dir)
     block_bytes = kv_cache_block_bytes(model, EngineConfig.block_size, torch.float32)
     assert version["kv_cache_blocks"] == KV_CACHE_BYTES // block_bytes
+    # The host KV tier too (the engine runs in the server's process on the CPU).
+    (slot,) = server.dataplane.manager.slots.values()
+    engine = slot.engine.engine
+    assert engine.config.host_kv_cache_bytes == HOST_KV_CACHE_BYTES
+    assert engine.host_tier.pool.num_blocks == HOST_KV_CACHE_BYTES // engine.runner.block_bytes
 
     hpa_metric = kinds["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert metric(httpx.get(f"{server.url}/metrics").text, hpa_metric) == 0.0
