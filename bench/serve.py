@@ -190,8 +190,8 @@ def chat_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
 
 
 async def run_structured(url: str, model: str, args, schema: dict) -> list[dict]:
-    """Plain, then JSON-schema chat completions of the same prompts on one server; both warmed first (the
-    schema's grammar is compiled once, by the warm-up)."""
+    """Plain, then JSON-schema chat completions of the same prompts on one server; both warmed first by a
+    full batch (the schema's grammar is compiled once, by the warm-up)."""
     prompts = chat_prompts(args.num_prompts, args.input_len, args.seed)
     reports = []
     async with http_session(args.max_concurrency or len(prompts)) as session:
@@ -199,8 +199,9 @@ async def run_structured(url: str, model: str, args, schema: dict) -> list[dict]
             "plain": chat_sender(session, url, model, args.output_len, None),
             "json_schema": chat_sender(session, url, model, args.output_len, schema),
         }
+        warm = prompts[: args.max_concurrency or len(prompts)]  # a full batch of each, so neither runs cold
         for send in senders.values():
-            await run_load(send, prompts[:2], float("inf"), None, args.seed)
+            await run_load(send, warm, float("inf"), None, args.seed)
         for mode, send in senders.items():
             results, duration = await run_load(
                 send, prompts, args.request_rate, args.max_concurrency, args.seed
