@@ -57,6 +57,9 @@ class _EngineCollector(Collector):
         families = {
             name: GaugeMetricFamily(f"modelfleet_{name}", doc, labels=LABELS) for name, doc in specs.items()
         }
+        counters = {
+            name: CounterMetricFamily(f"modelfleet_{name}", doc, labels=LABELS) for name, doc in _COUNTERS
+        }
         vllm = {
             name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 name, doc, labels=VLLM_LABELS
@@ -80,6 +83,8 @@ class _EngineCollector(Collector):
             }
             for name, value in values.items():
                 families[name].add_metric([model, version], float(value))
+            for name, _ in _COUNTERS:
+                counters[name].add_metric([model, version], float(getattr(stats, name, 0)))
             for name, _, _, source in _VLLM_ENGINE:
                 value = values[source] if source in values else getattr(stats, source, 0)
                 vllm[name].add_metric([model, version], float(value))
@@ -94,8 +99,16 @@ class _EngineCollector(Collector):
         )
         pod.add_metric([], float(total))
         yield from families.values()
+        yield from counters.values()
         yield pod
         yield from vllm.values()
+
+
+# Counters of EngineStats fields, since the engine started: the host KV tier's.
+_COUNTERS = (
+    ("host_kv_hits", "Prompt tokens whose KV blocks were copied back from the host KV tier."),
+    ("host_kv_spills", "KV blocks evicted from the device's prefix cache and copied to the host KV tier."),
+)
 
 
 # vLLM's engine metrics: name, kind, help, and where the value comes from (one of the values above, else

@@ -99,3 +99,20 @@ def test_host_tier_setting_is_checked(tiny_model_dir):
         make_llm(tiny_model_dir, host_blocks=-1)
     with pytest.raises(ValueError, match=r"^host_kv_cache_bytes: 100 bytes hold no KV block"):
         LLM(tiny_model_dir, kv_cache_bytes=1 << 20, host_kv_cache_bytes=100, dtype="float32", device="cpu")
+
+
+def test_host_tier_counters_are_on_the_servers_metrics(tiny_model_dir):
+    from modelfleet.dataplane.server.metrics import _EngineCollector
+
+    llm = make_llm(tiny_model_dir, host_blocks=64)
+    run(llm)
+    stats = llm.stats()
+    collector = _EngineCollector(lambda: [("tiny", "v1", llm.engine)])
+    samples = {
+        sample.name: sample.value
+        for family in collector.collect()
+        for sample in family.samples
+        if sample.labels == {"model": "tiny", "version": "v1"}
+    }
+    assert samples["modelfleet_host_kv_hits_total"] == stats.host_kv_hits > 0
+    assert samples["modelfleet_host_kv_spills_total"] == stats.host_kv_spills > 0
