@@ -142,6 +142,37 @@ class Replicas(_Model):
         return self
 
 
+class Speculative(_Model):
+    """Speculative decoding: a proposer drafts tokens that one forward of the model verifies (the output
+    is the model's own; greedy requests get exactly the tokens they get without it)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "(has(self.proposer) && self.proposer == 'draft') == has(self.draftVersion)",
+                "draftVersion is set exactly when proposer is draft",
+            )
+        )
+    )
+
+    proposer: Literal["none", "ngram", "draft"] = Field(
+        default="none",
+        description="none; ngram (drafts found in the prompt and output, no model); draft (a smaller "
+        "ModelVersion of this model, draftVersion, with the same tokenizer).",
+    )
+    num_tokens: int = Field(default=4, ge=1, le=16, description="Draft tokens verified per step, at most.")
+    draft_version: str | None = _name_field(
+        "spec.version of the ModelVersion (of this model) whose torch artifact drafts; it needs no traffic.",
+        default=None,
+    )
+
+    @model_validator(mode="after")
+    def _draft_version_with_draft(self) -> Speculative:
+        if (self.proposer == "draft") != (self.draft_version is not None):
+            raise ValueError("draftVersion is set exactly when proposer is draft")
+        return self
+
+
 class Engine(_Model):
     """Engine settings of the data-plane pods."""
 
@@ -170,6 +201,7 @@ class Engine(_Model):
         description="Host memory in bytes for prefix-cache KV blocks evicted from the device, copied back "
         "when a prompt's prefix hits them; 0 (default) is off.",
     )
+    speculative: Speculative = Field(default_factory=Speculative)
 
 
 class TrafficEntry(_Model):

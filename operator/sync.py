@@ -22,7 +22,7 @@ from modelfleet.operator.reconcile.model_status import invalid_spec_status, mode
 from modelfleet.operator.reconcile.plan import duplicate_versions, serving_plan, version_views
 from modelfleet.operator.reconcile.serving import endpoint
 from modelfleet.operator.reconcile.targets import TargetError, resolve_targets
-from modelfleet.operator.reconcile.traffic import plan_traffic
+from modelfleet.operator.reconcile.traffic import draft_artifact, plan_traffic
 from modelfleet.operator.reconcile.version_status import version_status
 from modelfleet.operator.reconcile.windows import Sample, sample_from_status, sample_to_status, windows
 from modelfleet.operator.settings import OperatorSettings
@@ -238,8 +238,10 @@ def reconcile_model(ctx: Context, im: dict[str, Any]) -> dict[str, Any]:
     duplicates = duplicate_versions(mvs)
     for mv in mvs:
         reconcile_version(ctx, mv, accelerator, duplicates.get(mv["metadata"]["name"]))
-    planned = plan_traffic(traffic_spec, version_views(mvs, name), ctx.settings)
-    plan = serving_plan(im, model.spec, planned, ctx.settings)
+    views = version_views(mvs, name)
+    planned = plan_traffic(traffic_spec, views, ctx.settings)
+    draft = draft_artifact(model.spec, views, ctx.settings)
+    plan = serving_plan(im, model.spec, planned, ctx.settings, draft)
     live = {(obj["kind"], obj["metadata"]["name"]): _apply_if_changed(ctx, obj) for obj in plan.apply}
     for ref in plan.remove:
         # Read first: deleting what is not there is still a write, and an idle reconcile makes none.

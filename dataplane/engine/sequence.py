@@ -60,9 +60,16 @@ class Sequence:
         # needs only temperatures (the fused sampler) and whether penalties read the tokens on the host.
         self.temperature_only = params.temperature_only
         self.has_penalties = params.has_penalties
-        # Whether a speculative engine proposes drafts for it (engine/speculative.py): temperature-only
-        # sampling without a seed of its own (no penalties, filters, logprobs or grammar).
-        self.speculates = params.temperature_only and params.seed is None
+        # Whether a speculative engine proposes drafts for it (engine/speculative.py): greedy, or sampling
+        # with a temperature alone and no seed of its own (filters do not move a greedy token; penalties,
+        # biases, logprobs and grammars need the sampler's own path).
+        self.speculates = (
+            params.logprobs is None
+            and not params.has_penalties
+            and not params.logit_bias
+            and params.structured is None
+            and (params.greedy or (params.temperature_only and params.seed is None))
+        )
         # Tokens whose keys and values a draft model has in its cache (speculative.DraftProposer).
         self.num_draft_computed = 0
         self.stop_token_ids = frozenset(params.stop_token_ids) | (

@@ -53,6 +53,8 @@ class _EngineCollector(Collector):
             "kv_cache_usage_ratio": "Fraction of KV-cache blocks in use (0..1).",
             "prefix_cache_hit_ratio": "Fraction of prompt tokens served from the prefix cache.",
             "kv_cache_free_blocks": "KV-cache blocks free.",
+            "spec_decode_acceptance_ratio": "Share of speculative draft tokens accepted (0: off).",
+            "spec_decode_mean_accepted_length": "Tokens a sequence gains per speculative verify step.",
         }
         families = {
             name: GaugeMetricFamily(f"modelfleet_{name}", doc, labels=LABELS) for name, doc in specs.items()
@@ -80,6 +82,8 @@ class _EngineCollector(Collector):
                 "kv_cache_usage_ratio": stats.kv_cache_usage,
                 "prefix_cache_hit_ratio": stats.prefix_cache_hit_rate,
                 "kv_cache_free_blocks": stats.num_free_blocks,
+                "spec_decode_acceptance_ratio": getattr(stats, "spec_acceptance_rate", 0.0),
+                "spec_decode_mean_accepted_length": getattr(stats, "spec_mean_accepted_length", 0.0),
             }
             for name, value in values.items():
                 families[name].add_metric([model, version], float(value))
@@ -126,6 +130,14 @@ _VLLM_ENGINE = (
     ),
     ("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("vllm:num_preemptions", "counter", "Requests preempted by the scheduler.", "num_preemptions"),
+    ("vllm:spec_decode_num_drafts", "counter", "Verify steps of a sequence with drafts.", "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.", "spec_num_draft_tokens"),
+    (
+        "vllm:spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens accepted.",
+        "spec_num_accepted_tokens",
+    ),
 )
 
 

@@ -63,10 +63,15 @@ def version_views(model_versions: list[dict[str, Any]], model_name: str) -> dict
 
 
 def serving_plan(
-    im: dict[str, Any], spec: InferenceModelSpec, planned: list[PlannedVersion], settings: OperatorSettings
+    im: dict[str, Any],
+    spec: InferenceModelSpec,
+    planned: list[PlannedVersion],
+    settings: OperatorSettings,
+    draft_artifact: str | None = None,
 ) -> ServingPlan:
+    """`draft_artifact`: the speculative draft model's path (traffic.draft_artifact), if any."""
     model, namespace = im["metadata"]["name"], im["metadata"]["namespace"]
-    manifest = serving.render_manifest(model, spec, planned)
+    manifest = serving.render_manifest(model, spec, planned, draft_artifact)
     plan = ServingPlan(
         apply=[
             serving.manifest_configmap(im, manifest),

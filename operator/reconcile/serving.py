@@ -24,8 +24,10 @@ API_KEYS_DIR = "/etc/modelfleet-keys"
 CONTAINER = "server"
 
 
-def engine_settings(spec: InferenceModelSpec) -> dict[str, Any]:
-    """spec.engine in the engine's own keyword names (EngineConfig)."""
+def engine_settings(spec: InferenceModelSpec, draft_artifact: str | None = None) -> dict[str, Any]:
+    """spec.engine in the engine's own keyword names (EngineConfig). `draft_artifact`: the draft
+    model's path for speculative decoding with proposer draft (traffic.draft_artifact); without it
+    that proposer is left off."""
     engine: dict[str, Any] = {
         "max_num_seqs": spec.engine.max_num_seqs,
         "kv_cache_memory_fraction": spec.engine.kv_cache_memory_fraction,
@@ -41,11 +43,20 @@ def engine_settings(spec: InferenceModelSpec) -> dict[str, Any]:
         # One model split over the pod's devices (it requests that many), or on cpu over that many engine
         # processes (gloo); one device needs no setting.
         engine["tensor_parallel_size"] = spec.hardware.count
+    speculative = spec.engine.speculative
+    if speculative.proposer == "ngram" or (speculative.proposer == "draft" and draft_artifact):
+        engine["speculative_proposer"] = speculative.proposer
+        engine["num_speculative_tokens"] = speculative.num_tokens
+        if speculative.proposer == "draft":
+            engine["speculative_draft_model"] = draft_artifact
     return engine
 
 
 def render_manifest(
-    model_name: str, spec: InferenceModelSpec, planned: list[PlannedVersion]
+    model_name: str,
+    spec: InferenceModelSpec,
+    planned: list[PlannedVersion],
+    draft_artifact: str | None = None,
 ) -> ServingManifest:
     """The serving manifest: only versions with an artifact on this hardware, at their served weights."""
     versions = [
@@ -64,7 +75,7 @@ def render_manifest(
         name=model_name,
         versions=versions,
         routing=Routing(stickyBy=spec.routing.sticky_by),
-        engine=engine_settings(spec),
+        engine=engine_settings(spec, draft_artifact),
     )
     return ServingManifest(models=[model])
 

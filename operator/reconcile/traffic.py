@@ -72,6 +72,22 @@ def local_path(uri: str, settings: OperatorSettings) -> str | None:
     return None
 
 
+def draft_artifact(
+    spec: InferenceModelSpec, versions: dict[str, VersionView], settings: OperatorSettings
+) -> str | None:
+    """Where the pods find the draft model of spec.engine.speculative (proposer draft): the torch
+    artifact of the draftVersion on this hardware, on the model store. None while there is none (the
+    pods then decode without speculation)."""
+    speculative = spec.engine.speculative
+    view = versions.get(speculative.draft_version or "")
+    if speculative.proposer != "draft" or view is None:
+        return None
+    artifact = choose_artifact(view, spec.hardware.accelerator, tensorrt=False)
+    if artifact is None or artifact.get("format") != "torch":
+        return None
+    return local_path(artifact["uri"], settings)
+
+
 def plan_traffic(
     spec: InferenceModelSpec, versions: dict[str, VersionView], settings: OperatorSettings
 ) -> list[PlannedVersion]:
