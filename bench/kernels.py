@@ -15,8 +15,12 @@ import itertools
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+# The kernels' torch references and random paged batches live beside their tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # (name, query heads, KV heads, head dim): the attention shapes of Llama-3.2-1B and Llama-3-8B
 SHAPES = [("llama-1b", 32, 8, 64), ("llama-8b", 32, 8, 128)]
@@ -46,7 +50,7 @@ def kv_bytes(batch) -> int:
 
 
 def make_batches(seq_lens, query_lens, shape, dtype, device, count):
-    from modelfleet.dataplane.kernels.testing import random_paged_batch
+    from tests.dataplane.kernels.paged_batches import random_paged_batch
 
     _, num_heads, num_kv_heads, head_dim = shape
     return [
@@ -121,10 +125,11 @@ def bench_attention(shape, num_seqs, length, decode: bool, dtype, device, copy_g
 
 
 def bench_small_ops(dtype, device) -> list[dict]:
-    from modelfleet.dataplane.kernels import reference
     from modelfleet.dataplane.kernels.activation import silu_and_mul
     from modelfleet.dataplane.kernels.rms_norm import rms_norm
     from modelfleet.dataplane.kernels.rotary import rotary_embedding
+
+    from tests.dataplane.kernels import reference
 
     tokens, hidden, inter, heads, kv_heads, head_dim = 256, 4096, 14336, 32, 8, 128
     n = 8

@@ -106,7 +106,7 @@ MODULES: dict[str, Module] = {
     ),
     # The oracles of the GPU kernel tests, against independent implementations on the CPU.
     "kernel_reference": Module(
-        "dataplane/kernels/reference.py", ("tests/dataplane/kernels/test_reference.py",)
+        "tests/dataplane/kernels/reference.py", ("tests/dataplane/kernels/test_reference.py",)
     ),
     "rollout": Module("operator/reconcile/rollout.py", ("tests/operator/test_reconcile_rollout.py",)),
 }

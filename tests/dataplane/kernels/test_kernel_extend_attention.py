@@ -2,8 +2,9 @@ import random
 
 import pytest
 import torch
-from modelfleet.dataplane.kernels.reference import paged_attention_native
-from modelfleet.dataplane.kernels.testing import TOLERANCES, random_paged_batch
+
+from tests.dataplane.kernels.paged_batches import TOLERANCES, random_paged_batch
+from tests.dataplane.kernels.reference import paged_attention_native
 
 pytestmark = pytest.mark.gpu
 

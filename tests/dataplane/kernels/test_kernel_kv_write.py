@@ -1,6 +1,7 @@
 import pytest
 import torch
-from modelfleet.dataplane.kernels.reference import write_kv_native
+
+from tests.dataplane.kernels.reference import write_kv_native
 
 pytestmark = pytest.mark.gpu
 

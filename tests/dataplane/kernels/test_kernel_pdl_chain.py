@@ -13,14 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.kernels import availability
-from modelfleet.dataplane.kernels.reference import (
+
+from tests.dataplane.kernels.paged_batches import TOLERANCES, random_paged_batch
+from tests.dataplane.kernels.reference import (
     paged_attention_native,
     rms_norm_native,
     rope_cos_sin,
     rotary_embedding_native,
     silu_and_mul_native,
 )
-from modelfleet.dataplane.kernels.testing import TOLERANCES, random_paged_batch
 
 # A Llama-3.2-1B-shaped layer (hidden 2048, 32/8 heads of 64, MLP 8192) and a smaller vocabulary
 HIDDEN, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, INTER, VOCAB = 2048, 32, 8, 64, 8192, 32768

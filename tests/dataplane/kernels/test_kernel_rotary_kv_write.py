@@ -4,10 +4,11 @@ import re
 
 import pytest
 import torch
-from modelfleet.dataplane.kernels.reference import rope_cos_sin, write_kv_native
-from modelfleet.dataplane.kernels.testing import TOLERANCES
 from modelfleet.dataplane.layers.rotary import RotaryEmbedding, rotary_embedding_native
 from modelfleet.dataplane.models.config import RopeConfig
+
+from tests.dataplane.kernels.paged_batches import TOLERANCES
+from tests.dataplane.kernels.reference import rope_cos_sin, write_kv_native
 
 pytestmark = pytest.mark.gpu
 

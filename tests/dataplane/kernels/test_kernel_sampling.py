@@ -5,7 +5,8 @@ GPU tests carry the gpu mark; the reference's tests at the bottom run on the CPU
 
 import pytest
 import torch
-from modelfleet.dataplane.kernels.reference import sample_tokens_native
+
+from tests.dataplane.kernels.reference import sample_tokens_native
 
 gpu = pytest.mark.gpu
 

@@ -1,12 +1,13 @@
 import pytest
 import torch
-from modelfleet.dataplane.kernels.reference import (
+
+from tests.dataplane.kernels.paged_batches import TOLERANCES
+from tests.dataplane.kernels.reference import (
     rms_norm_native,
     rope_cos_sin,
     rotary_embedding_native,
     silu_and_mul_native,
 )
-from modelfleet.dataplane.kernels.testing import TOLERANCES
 
 pytestmark = pytest.mark.gpu
 

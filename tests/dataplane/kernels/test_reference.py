@@ -1,5 +1,5 @@
-"""The kernel references (dataplane/kernels/reference.py) are the oracles of every GPU kernel test, so they
-are checked here, on the CPU, against implementations that share nothing with them: Hugging Face's
+"""The kernel references (tests/dataplane/kernels/reference.py) are the oracles of every GPU kernel test,
+so they are checked here, on the CPU, against implementations that share nothing with them: Hugging Face's
 LlamaRMSNorm, LlamaRotaryEmbedding and apply_rotary_pos_emb, torch's scaled_dot_product_attention, and a
 naive attention that walks the paged cache one position at a time."""
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from modelfleet.dataplane.kernels import reference as ref
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from tests.dataplane.kernels import reference as ref
 
 BLOCK = 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8

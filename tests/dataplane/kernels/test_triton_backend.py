@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 from modelfleet.dataplane.attention import AttentionMetadata, get_backend
-from modelfleet.dataplane.kernels.testing import TOLERANCES
+
+from tests.dataplane.kernels.paged_batches import TOLERANCES
 
 pytestmark = pytest.mark.gpu
 
