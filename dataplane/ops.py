@@ -6,7 +6,8 @@ registered later (a Triton kernel on "cuda", a user's own on "cpu") is used from
     @register_op("rms_norm", "cpu")
     def my_rms_norm(x, weight, eps): ...
 
-Lookup order: (name, device_type), then (name, "*") — the torch reference, registered by layers/.
+Lookup order: (name, device_type), then (name, "*") — the torch reference of layers/, registered with
+the other built-ins by `register_builtins()` (modelfleet.dataplane.registration), which loading a model calls.
 
 The ops the models use, and the signatures an implementation must have (T tokens, H heads, D head dim):
     rms_norm(x [T, N], weight [N], eps) -> [T, N]
@@ -47,7 +48,10 @@ def get_op(name: str, device_type: str) -> Callable[..., Any]:
     fn = _REGISTRY.get((name, device_type)) or _REGISTRY.get((name, ANY_DEVICE))
     if fn is None:
         known = ", ".join(sorted({n for n, _ in _REGISTRY}))
-        raise KeyError(f"op {name!r} has no implementation for device {device_type!r}; known ops: {known}")
+        raise KeyError(
+            f"op {name!r} has no implementation for device {device_type!r}; known ops: {known or 'none'} "
+            "(modelfleet.dataplane.registration.register_builtins() registers the built-in ones)"
+        )
     return fn
 
 

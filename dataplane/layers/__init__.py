@@ -1,4 +1,5 @@
-"""Building blocks of the models; each op has a torch reference (`forward_native`) in the op registry."""
+"""Building blocks of the models; each op has a torch reference (`forward_native`), which
+`register_builtins()` (modelfleet.dataplane.registration) makes the op's implementation on every device."""
 
 from modelfleet.dataplane.layers.activation import SiluAndMul
 from modelfleet.dataplane.layers.linear import Linear, MergedLinear, make_linear

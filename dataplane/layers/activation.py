@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from modelfleet.dataplane.ops import get_op, register_op
+from modelfleet.dataplane.ops import get_op
 from torch import nn
 
 
-@register_op("silu_and_mul")
 def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     # x: [..., 2 * intermediate] = [gate | up]
     gate, up = x.chunk(2, dim=-1)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from modelfleet.dataplane.ops import get_op, register_op
+from modelfleet.dataplane.ops import get_op
 from modelfleet.dataplane.quantization import QuantizedLinear
 from torch import nn
 
 
-@register_op("linear")
 def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-from modelfleet.dataplane.ops import get_op, register_op
+from modelfleet.dataplane.ops import get_op
 from torch import nn
 
 
-@register_op("rms_norm")
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as Hugging Face: normalize in float32, cast back, then scale.
     dtype = x.dtype
@@ -16,7 +15,6 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * x32.to(dtype)
 
 
-@register_op("fused_add_rms_norm")
 def fused_add_rms_norm_native(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from modelfleet.dataplane.ops import get_op, register_op
+from modelfleet.dataplane.ops import get_op
 from torch import nn
 
 if TYPE_CHECKING:  # layers/ must not import models/ at run time (models/ imports layers/)
@@ -33,7 +33,6 @@ def compute_inv_freq(head_dim: int, rope: RopeConfig, device: torch.device | str
     return torch.where(is_medium, smoothed, scaled)
 
 
-@register_op("rotary_embedding")
 def rotary_embedding_native(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

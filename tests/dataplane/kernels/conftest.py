@@ -18,6 +18,15 @@ def kernel_device() -> torch.device | None:
     return None
 
 
+@pytest.fixture(autouse=True, scope="session")
+def torch_reference_ops() -> None:
+    """The layers' torch references as every device's ops, as the engine's start registers them; a test
+    that wants a kernel as an op registers it itself."""
+    from modelfleet.dataplane.registration import register_torch_ops
+
+    register_torch_ops()
+
+
 @pytest.fixture
 def device() -> torch.device:
     found = kernel_device()

@@ -8,8 +8,9 @@ from modelfleet.dataplane.ops import get_op, unregister_op
 
 @pytest.fixture
 def registered_ops():
-    import modelfleet.dataplane.layers  # noqa: F401  (registers the torch references)
+    from modelfleet.dataplane.registration import register_torch_ops
 
+    register_torch_ops()  # the references every device falls back to
     assert registry.register_triton_ops(force=True)
     yield
     for name in registry.OPS:

@@ -9,6 +9,7 @@ import transformers
 from modelfleet.dataplane.layers import RMSNorm, RotaryEmbedding, SiluAndMul, compute_inv_freq
 from modelfleet.dataplane.models.config import ModelConfig
 from modelfleet.dataplane.ops import get_op, register_op, registered_ops, unregister_op
+from modelfleet.dataplane.registration import register_builtins
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -26,6 +27,11 @@ ROPE_CASES = {
         ),
     ),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def builtin_ops() -> None:
+    register_builtins()  # what loading a model does first
 
 
 def hf_llama_config(**kwargs) -> transformers.LlamaConfig:
