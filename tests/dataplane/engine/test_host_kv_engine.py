@@ -5,10 +5,14 @@ spills counted, and nothing lost when the host pool is full."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
+import torch
 from modelfleet.dataplane import LLM, SamplingParams
-from modelfleet.dataplane.engine.host_kv import KVSwapper
+from modelfleet.dataplane.engine.host_kv import Copies, KVSwapper
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 BLOCK = 16
 BLOCK_BYTES = 8192  # the tiny model's float32 block of 16 tokens
@@ -17,15 +21,16 @@ PREFIX_BLOCKS = 4
 NUM_PREFIXES = 8  # 32 blocks of prefixes: twice the KV cache
 
 
-def make_llm(tiny_model_dir, host_blocks: int) -> LLM:
+def make_llm(model_dir, host_blocks: int, device: str = "cpu") -> LLM:
+    # On a GPU the KV cache is capped by what max_num_seqs sequences of max_model_len tokens fill.
     return LLM(
-        tiny_model_dir,
-        max_model_len=256,
+        model_dir,
+        max_model_len=NUM_BLOCKS * BLOCK // 2 if device == "cuda" else 256,
         max_num_seqs=2,
         kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES,
         host_kv_cache_bytes=host_blocks * BLOCK_BYTES,
         dtype="float32",
-        device="cpu",
+        device=device,
     )
 
 
@@ -116,3 +121,33 @@ def test_host_tier_counters_are_on_the_servers_metrics(tiny_model_dir):
     }
     assert samples["modelfleet_host_kv_hits_total"] == stats.host_kv_hits > 0
     assert samples["modelfleet_host_kv_spills_total"] == stats.host_kv_spills > 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])])
+def test_swapper_copies_a_block_out_and_back(device):
+    # (num_layers, 2, num_blocks, block_size, heads, head_dim)
+    kv = torch.randn(2, 2, 4, BLOCK, 2, 8, device=device)
+    swapper = KVSwapper(kv, num_host_blocks=3)
+    assert swapper.host.is_pinned() == (device == "cuda")
+    expected = kv[:, :, 1].clone()
+    swapper.issue(Copies(spills=[(1, 2)]))
+    kv[:, :, 1] = 0  # the block is reused
+    done = swapper.issue(Copies(loads={"r": [(3, 2)]}))
+    deadline = time.monotonic() + 30
+    while not done:
+        assert time.monotonic() < deadline
+        done = swapper.poll()
+    assert done == ["r"] and not swapper.busy
+    torch.testing.assert_close(kv[:, :, 3], expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_tier_on_gpu_gives_the_same_tokens(tiny_llama_dir):
+    """Spills on the compute stream, loads on the copy stream with events, CUDA graphs for decodes."""
+    tokens = run(make_llm(tiny_llama_dir, host_blocks=0, device="cuda"))
+    llm = make_llm(tiny_llama_dir, host_blocks=64, device="cuda")
+    assert llm.engine.runner.num_blocks == NUM_BLOCKS
+    assert llm.engine.host_tier.swapper.stream is not None
+    assert run(llm) == tokens
+    assert llm.stats().host_kv_hits == NUM_PREFIXES * PREFIX_BLOCKS * BLOCK
