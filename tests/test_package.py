@@ -79,6 +79,17 @@ def test_no_module_of_the_package_serves_only_tests_or_benchmarks():
     assert not unused, f"only tests or benchmarks use {sorted(unused)}: move them under tests/ or bench/"
 
 
+def test_no_module_of_the_package_imports_tests_or_benchmarks():
+    modules = package_modules()
+    wrong = sorted(
+        f"{module} imports {name}"
+        for module, path in modules.items()
+        for name in imported_names(module, path)
+        if name.partition(".")[0] in {"tests", "bench"}
+    )
+    assert not wrong, wrong
+
+
 def test_the_check_finds_a_module_nothing_imports():
     assert set(NOT_MOVED_YET) <= modules_only_tests_use(), "drop the modules the package uses now"
     assert "modelfleet.dataplane.kernels.registry" not in modules_only_tests_use()
