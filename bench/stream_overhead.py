@@ -4,9 +4,11 @@ A stand-in engine on AsyncLLM's delivery path (a thread handing each running req
 --step-ms, as an engine step does) is served by the real app (routing, admission, metrics, spans, SSE)
 in a uvicorn subprocess; bench/serve.py's client streams completions from it at a fixed concurrency.
 Prints one JSON line: the server process's CPU microseconds per streamed token and what the client saw
-(throughput, TTFT, ITL). At 64 streams and a 3 ms step a server keeps up only below ~250 us per token.
+(throughput, TTFT, ITL). With --delivery both, a server whose stand-in engine wakes the event loop once
+per stream and step (the baseline) is measured first, in the same run. At 64 streams and a 3 ms step a
+server keeps up only below ~250 us per token.
 
-    python bench/stream_overhead.py --num-prompts 256 --max-concurrency 64 --output-len 64
+    python bench/stream_overhead.py --num-prompts 256 --max-concurrency 64 --output-len 64 --delivery both
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from throughput import write_word_tokenizer
 VOCAB = 1000
 
 
-def stand_in_engine(folder: str, step_s: float):
+def stand_in_engine(folder: str, step_s: float, per_output: bool = False):
     from modelfleet.dataplane.engine.messages import Add
     from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
     from modelfleet.dataplane.engine.protocol import EngineLimits
@@ -63,26 +65,32 @@ def stand_in_engine(folder: str, step_s: float):
                         self._running[command.request_id] = (ids, params.max_tokens, [])
                     else:
                         self._running.pop(command.request_id, None)
+                step = []
                 for request_id, (ids, max_tokens, out) in list(self._running.items()):
                     token = len(out) + 1
                     out.append(token)
                     finished = len(out) == max_tokens
-                    self._deliver(
+                    step.append((
                         request_id,
                         RequestOutput(
                             request_id, ids, text="", token_ids=list(out), new_text=f" t{token}",
                             new_token_ids=[token], finish_reason="length" if finished else None,
                             finished=finished,
                         ),
-                    )  # fmt: skip
+                    ))  # fmt: skip
                     if finished:
                         del self._running[request_id]
+                if per_output:  # the baseline: one wake-up of the event loop per stream and step
+                    for request_id, output in step:
+                        self._deliver(request_id, output)
+                else:
+                    self._deliver_all(step)
                 time.sleep(max(step_s - (time.perf_counter() - started), 0.0))
 
     return StandInEngine()
 
 
-def serve(port: int, step_ms: float) -> None:
+def serve(port: int, step_ms: float, per_output: bool) -> None:
     import uvicorn
     from modelfleet.dataplane.manifest import single_model_manifest
     from modelfleet.dataplane.server.runtime import build_app
@@ -94,28 +102,19 @@ def serve(port: int, step_ms: float) -> None:
     app = build_app(
         ServerSettings(max_tokens_limit=100_000),
         manifest,
-        loader=lambda spec: stand_in_engine(folder, step_ms / 1e3),
+        loader=lambda spec: stand_in_engine(folder, step_ms / 1e3, per_output),
         estimate_bytes=lambda spec: 0,
     )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--max-concurrency", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--step-ms", type=float, default=3.0)
-    parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.serve_port:
-        serve(args.serve_port, args.step_ms)
-        return 0
-
+def measure(args: argparse.Namespace, delivery: str) -> dict:
+    """One server (with `delivery`), loaded by the client; the server's CPU time per token and the
+    client's summary."""
     port = free_port()
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-port", str(port)]
-    server = subprocess.Popen([*command, "--step-ms", str(args.step_ms)], stderr=subprocess.PIPE, text=True)
+    command += ["--step-ms", str(args.step_ms), "--delivery", delivery]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -145,20 +144,49 @@ def main() -> int:
         server.wait(timeout=30)
     summary = summarize(results, duration, args.input_len)
     tokens = sum(r.output_tokens for r in results if r.ok)
-    print(
-        json.dumps(
-            {
-                "bench": "stream_overhead",
-                "num_prompts": args.num_prompts,
-                "max_concurrency": args.max_concurrency,
-                "output_len": args.output_len,
-                "step_ms": args.step_ms,
-                "server_cpu_us_per_token": round(1e6 * cpu_s / max(tokens, 1), 1),
-                "client": summary,
-            }
-        )
+    return {
+        "delivery": delivery,
+        "server_cpu_us_per_token": round(1e6 * cpu_s / max(tokens, 1), 1),
+        "client": summary,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--step-ms", type=float, default=3.0)
+    parser.add_argument(
+        "--delivery",
+        choices=["step", "output", "both"],
+        default="step",
+        help="how the stand-in engine hands out a step's tokens: one event-loop wake-up per step (as "
+        "the engines do), one per output (the baseline), or both in one run",
     )
-    return 0 if summary["failed"] == 0 else 1
+    parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_port:
+        serve(args.serve_port, args.step_ms, per_output=args.delivery == "output")
+        return 0
+
+    runs = [measure(args, d) for d in (["output", "step"] if args.delivery == "both" else [args.delivery])]
+    report = {
+        "bench": "stream_overhead",
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
+        "output_len": args.output_len,
+        "step_ms": args.step_ms,
+        **runs[-1],
+    }
+    if len(runs) == 2:
+        report["baseline_per_output_delivery"] = runs[0]
+        report["cpu_per_token_vs_baseline"] = round(
+            runs[1]["server_cpu_us_per_token"] / max(runs[0]["server_cpu_us_per_token"], 1e-9), 3
+        )
+    print(json.dumps(report))
+    return 0 if all(run["client"]["failed"] == 0 for run in runs) else 1
 
 
 if __name__ == "__main__":

@@ -60,8 +60,7 @@ class AsyncLLM(ThreadedEngine):
                 if self.engine.failure is not None:
                     self._engine_failed(self.engine.failure)
                 continue
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._deliver_all((output.request_id, output) for output in outputs)
         # Closed: nothing will answer the requests still in flight, so end their streams loudly.
         self._commands.clear()
         self._fail_all(RuntimeError("AsyncLLM was closed"))
@@ -89,6 +88,7 @@ class AsyncLLM(ThreadedEngine):
                     self._deliver(command.request_id, output)
 
     def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self._streams):
+        failed = list(self._streams)
+        for request_id in failed:
             self.engine.abort(request_id)
-            self._deliver(request_id, exc)
+        self._deliver_all((request_id, exc) for request_id in failed)

@@ -125,8 +125,7 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
                 break
             if isinstance(message, Outputs):
                 self._stats = message.stats
-                for output in message.outputs:
-                    self._deliver(output.request_id, output)
+                self._deliver_all((output.request_id, output) for output in message.outputs)
             elif isinstance(message, Refused):
                 self._deliver(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):
@@ -148,8 +147,7 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         self._fail_all(EngineProcessError(self.failure or "the engine process stopped"))
 
     def _fail_all(self, exc: Exception) -> None:
-        for request_id in list(self._streams):
-            self._deliver(request_id, exc)
+        self._deliver_all((request_id, exc) for request_id in list(self._streams))
 
     def close(self) -> None:
         self._closed = True

@@ -1,5 +1,6 @@
 """The caller's side of an engine that runs on its own thread: commands go to the thread through a
-deque, outputs come back through one asyncio queue per request. AsyncLLM (the engine on a thread, for
+deque, outputs come back through one asyncio queue per request, a whole step's outputs with one
+wake-up of the caller's event loop. AsyncLLM (the engine on a thread, for
 every artifact format) and AsyncLLMProcess (its reader of an engine process) share it; each supplies its
 checks, its limits, its "add" command and its thread loop. Both are an `Engine` (protocol.py)."""
 
@@ -12,7 +13,7 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Generator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable
 
 from modelfleet.dataplane.engine.llm_engine import Prompt
 from modelfleet.dataplane.engine.messages import Abort, Add, Command
@@ -143,10 +144,27 @@ class ThreadedEngine(ABC):
         self._wake.set()
 
     def _deliver(self, request_id: str, item: Item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        # RuntimeError: the caller's event loop is gone.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: Iterable[tuple[str, Item]]) -> None:
+        """Hands a whole step's outputs to their streams with one wake-up of each caller's event loop
+        (not one per stream: each costs the loop a self-pipe write and read, and a callback)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Item], Item]]] = {}
+        streams = self._streams
+        for request_id, item in items:
+            stream = streams.get(request_id)
+            if stream is not None:
+                loop, queue = stream
+                batch = by_loop.get(loop)
+                if batch is None:
+                    batch = by_loop[loop] = []
+                batch.append((queue, item))
+        for loop, batch in by_loop.items():
+            # RuntimeError: the caller's event loop is gone.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Item], Item]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

@@ -115,3 +115,34 @@ async def test_close_ends_streams_in_flight(tiny_model_dir):
             pass
     with pytest.raises(RuntimeError, match="closed"):
         await collect(llm, [1], SamplingParams(max_tokens=1), "late")
+
+
+async def test_one_event_loop_wake_up_per_step_for_all_streams(engine):
+    """A step's outputs for every stream reach the event loop in one callback (before: one per stream
+    and step, each a self-pipe write the loop had to wake for)."""
+    loop = asyncio.get_running_loop()
+    wakeups: list[int] = []
+    steps_with_outputs: list[int] = []
+    original_step = engine.engine.step
+
+    def counted_step():
+        outputs = original_step()
+        if outputs:
+            steps_with_outputs.append(len(outputs))
+        return outputs
+
+    def counted_call(callback, *args, **kwargs):
+        wakeups.append(1)
+        return type(loop).call_soon_threadsafe(loop, callback, *args, **kwargs)
+
+    engine.engine.step = counted_step
+    loop.call_soon_threadsafe = counted_call
+    try:
+        params = SamplingParams(max_tokens=6, **GREEDY)
+        results = await asyncio.gather(*(collect(engine, f"wake {i}", params, f"w{i}") for i in range(4)))
+    finally:
+        del loop.call_soon_threadsafe
+        engine.engine.step = original_step
+    assert all(len(outputs[-1].token_ids) == 6 for outputs in results)
+    assert max(steps_with_outputs) > 1  # several streams shared steps
+    assert len(wakeups) == len(steps_with_outputs) < sum(steps_with_outputs)
