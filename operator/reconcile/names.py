@@ -37,6 +37,11 @@ def serving_name(model_name: str) -> str:
     return bounded_name(model_name)
 
 
+def peers_service_name(model_name: str) -> str:
+    """The headless Service whose DNS name lists the model's ready pods (each counts its peers by it)."""
+    return bounded_name(model_name, "peers")
+
+
 def manifest_configmap_name(model_name: str) -> str:
     return bounded_name(model_name, "manifest")
 

@@ -76,6 +76,7 @@ def serving_plan(
         apply=[
             serving.manifest_configmap(im, manifest),
             serving.deployment(im, spec, settings),
+            serving.peers_service(im, settings),
             serving.service(im, settings),
             serving.disruption_budget(im),
         ]

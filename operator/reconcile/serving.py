@@ -129,10 +129,12 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
         env.append({"name": "MODELFLEET_IDLE_UNLOAD_SECONDS", "value": str(seconds)})
     if settings.dataplane_api_keys_secret:
         env.append({"name": "MODELFLEET_API_KEY_FILE", "value": f"{API_KEYS_DIR}/keys"})
-    # Each pod enforces its share of every API key's limits. Under an HPA, the share of the most pods
-    # there may be: a key never gets more than its limit, but less while the model is scaled in.
+    # Each pod enforces its share of every API key's limits: the live count of ready pods, read from the
+    # headless Service's addresses (peers_service). Until a lookup answers, and whenever it fails, the
+    # share of the most pods there may be: a key never gets more than its limit.
     replicas = spec.replicas.max if autoscaled(spec) else max(spec.replicas.min, 1)
     env.append({"name": "MODELFLEET_REPLICAS", "value": str(replicas)})
+    env.append({"name": "MODELFLEET_PEERS_DNS", "value": peers_dns(im)})
     if settings.dataplane_grpc_port:
         env.append({"name": "MODELFLEET_GRPC_PORT", "value": str(settings.dataplane_grpc_port)})
     return env
@@ -267,6 +269,29 @@ def service(im: dict[str, Any], settings: OperatorSettings) -> dict[str, Any]:
             ],
         },
     }
+
+
+def peers_service(im: dict[str, Any], settings: OperatorSettings) -> dict[str, Any]:
+    """A headless Service over the model's ready pods: its DNS name resolves to one address for each, so a
+    pod counts its live peers (dataplane/server/peers.py). Not for traffic: that goes through `service`."""
+    model = im["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(im, names.peers_service_name(model), "dataplane"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": names.selector_labels(model),
+            "publishNotReadyAddresses": False,  # a pod that is not ready serves no share
+            "ports": [
+                {"name": "http", "port": settings.dataplane_port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def peers_dns(im: dict[str, Any]) -> str:
+    return f"{names.peers_service_name(im['metadata']['name'])}.{im['metadata']['namespace']}.svc"
 
 
 def _named_ports(settings: OperatorSettings) -> list[tuple[str, int]]:

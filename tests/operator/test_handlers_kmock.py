@@ -196,10 +196,11 @@ async def test_new_model_gets_conversion_jobs_and_serving_objects(kmock, cluster
         "registry.example/modelfleet:1.2.3"
     )
     assert await obj(kmock, "v1/services", "chat") is not None
+    assert (await obj(kmock, "v1/services", "chat-peers"))["spec"]["clusterIP"] == "None"
     assert await obj(kmock, "autoscaling/v2/horizontalpodautoscalers", "chat") is not None
     # Every write is a server-side apply under one field manager.
     applies = requests(kmock, "PATCH", r"fieldManager=modelfleet-operator")
-    assert len(applies) == 3 + 5 and all("apply-patch" in r.headers["Content-Type"] for r in applies)
+    assert len(applies) == 3 + 6 and all("apply-patch" in r.headers["Content-Type"] for r in applies)
 
     v2 = (await obj(kmock, MV, "chat-v2"))["status"]
     assert v2["phase"] == "Converting" and condition(v2, "Ready") == ("False", "Converting")
@@ -264,11 +265,11 @@ async def test_reconciling_again_writes_nothing(kmock, cluster, memo):
     assert len(requests(kmock, "PATCH", r"/status$")) == before
     assert len(requests(kmock, "PATCH", r"/jobs/")) == 3  # Jobs are created once, never re-applied
     # Nothing changed, so nothing is written: no apply, no delete, no status, no Event; only reads: the
-    # model, its versions, their Jobs, the Events of the three Jobs that have no pod yet, the five
+    # model, its versions, their Jobs, the Events of the three Jobs that have no pod yet, the six
     # serving objects.
     idle = [f"{r.method.value} {r.url.path}" for r in list(kmock)[seen:]]
     assert [r for r in idle if not r.startswith("GET ")] == []
-    assert len(idle) == 1 + 1 + 2 + 3 + 5, idle
+    assert len(idle) == 1 + 1 + 2 + 3 + 6, idle
 
 
 async def test_a_deleted_child_comes_back(kmock, cluster, memo):
