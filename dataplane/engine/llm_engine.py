@@ -137,7 +137,7 @@ class LLMEngine(PromptChecks):
         self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         # Encoding from several threads at once trips the fast tokenizer's internal borrow checks.
         self._tokenizer_lock = threading.Lock()
-        runner_config = _share_kv_budget_with_draft(config, model_config)
+        runner_config = _runner_config(config, model_config)
         self.runner = (runner_class or ModelRunner)(runner_config, max_model_len)
         max_model_len = self.runner.max_model_len  # a runner may take fewer tokens (an engine profile)
         self.model_config = self.runner.model_config
@@ -493,12 +493,17 @@ class LLMEngine(PromptChecks):
         }
 
 
-def _share_kv_budget_with_draft(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
-    """The target runner's config: with a draft model, whose KV cache has as many blocks as the
-    target's, the KV budget is split between the two in proportion to their bytes per block."""
+def _runner_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:
+    """The target runner's config. With speculation, no decode graphs (verify steps do not use them);
+    with a draft model, whose KV cache has as many blocks as the target's, the KV budget is split
+    between the two in proportion to their bytes per block."""
+    import dataclasses
+
+    if config.speculative_proposer != "none":
+        # Verify steps run eagerly (CUDA graphs capture one token per sequence): none to capture.
+        config = dataclasses.replace(config, enforce_eager=True)
     if config.speculative_draft_model is None:
         return config
-    import dataclasses
 
     import torch
     from modelfleet.dataplane.models import kv_cache_block_bytes

@@ -47,7 +47,8 @@ class Drafts:
 
 class NgramProposer:
     """Proposes the tokens that followed the latest earlier occurrence of the sequence's last n tokens
-    (n from max_n down to min_n), in its prompt and output."""
+    (n from max_n down to min_n), in its prompt and output. A match close to the end is read on into
+    the drafts themselves, so a loop shorter than k tokens is drafted for k tokens."""
 
     def __init__(self, num_tokens: int, *, min_n: int = 1, max_n: int = 3) -> None:
         self.num_tokens = num_tokens
@@ -55,15 +56,28 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         num = len(token_ids)
-        for n in range(min(self.max_n, num - 1), self.min_n - 1, -1):
-            tail = token_ids[num - n :]
-            # The latest match first: a loop's most recent turn predicts its next one best.
-            for start in range(num - n - 1, -1, -1):
-                if token_ids[start : start + n] == tail:
-                    follow = token_ids[start + n : start + n + k]
-                    if follow:
-                        return follow
-        return []
+        max_n = min(self.max_n, num - 1)
+        # Earlier occurrences of the last token, latest first (list.index runs in C); the longest
+        # n-gram match wins, the latest among equals.
+        backwards = token_ids[::-1]
+        best_n, best_end, i = 0, -1, 0
+        while best_n < max_n:
+            try:
+                i = backwards.index(backwards[0], i + 1)
+            except ValueError:
+                break
+            end = num - 1 - i
+            n = 1
+            while n < max_n and end - n >= 0 and token_ids[end - n] == backwards[n]:
+                n += 1
+            if n > best_n:
+                best_n, best_end = n, end
+        if best_n < self.min_n:
+            return []
+        drafts: list[int] = []
+        for index in range(best_end + 1, best_end + 1 + k):
+            drafts.append(token_ids[index] if index < num else drafts[index - num])
+        return drafts
 
     def propose_all(self, scheduled: list[ScheduledSequence], **_: object) -> Drafts:
         token_ids = [
@@ -101,6 +115,8 @@ def verify(
 
     logits = logits.float()
     argmax = logits.argmax(dim=-1)
+    if all(t == 0 for t in temperatures):  # greedy only: no distributions needed
+        return _accepted(draft_ids, (has_draft & (argmax == target_cols)).tolist(), argmax.tolist())
     probs = torch.softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)
     # q: the draft's probabilities on its rows (one-hot for a deterministic draft), 0 on bonus rows.
     q = torch.zeros_like(probs)
@@ -125,16 +141,20 @@ def verify(
     sampled = (residual / noise).argmax(dim=-1)
     fallback = torch.where(greedy, argmax, sampled)
 
-    accept_list = accept.tolist()
-    fallback_list = fallback.tolist()
+    return _accepted(draft_ids, accept.tolist(), fallback.tolist())
+
+
+def _accepted(draft_ids: list[list[int]], accept: list[bool], fallback: list[int]) -> list[list[int]]:
+    """Per sequence: its drafts up to the first rejected one, then the token of that row (or of the
+    row after the last draft)."""
     new_tokens: list[list[int]] = []
     row = 0
-    for d, c in zip(draft_ids, counts, strict=True):
+    for d in draft_ids:
         num_accepted = 0
-        while num_accepted < c - 1 and accept_list[row + num_accepted]:
+        while num_accepted < len(d) and accept[row + num_accepted]:
             num_accepted += 1
-        new_tokens.append([*d[:num_accepted], fallback_list[row + num_accepted]])
-        row += c
+        new_tokens.append([*d[:num_accepted], fallback[row + num_accepted]])
+        row += len(d) + 1
     return new_tokens
 
 

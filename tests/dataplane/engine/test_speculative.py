@@ -61,7 +61,9 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
     assert proposer.propose([5, 6, 7, 5], 2) == [6, 7]  # a 1-gram when no longer one matches
     assert proposer.propose([1, 2, 3], 4) == []
-    assert proposer.propose([4, 4], 3) == [4]  # only what is there
+    # A loop shorter than k is read on into the drafts: the loop continued.
+    assert proposer.propose([4, 4], 3) == [4, 4, 4]
+    assert proposer.propose([9, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
 
 
 def test_greedy_verify_keeps_the_drafts_up_to_the_first_disagreement():
