@@ -105,3 +105,16 @@ def test_a_bad_schema_beside_a_stream_loses_nothing(client):
     rest = list(chunks)
     finish = [c.choices[0].finish_reason for c in [first, *rest] if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"]
+
+
+def test_ignore_eos_with_a_schema_is_a_400_naming_it(client):
+    """Past the end of its JSON a grammar allows no token but the end: ignoring it cannot be honoured."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}},
+            extra_body={"ignore_eos": True},
+        )
+    assert caught.value.body["param"] == "ignore_eos"
