@@ -8,6 +8,10 @@ the CPU), without HTTP, so the server's overhead shows.
     python bench/serve.py --demo small --num-prompts 64 --max-concurrency 8
     python bench/serve.py --base-url http://localhost:8000 --model-name demo --request-rate 4
 
+With --streams it runs the front end's scale suite, one JSON line per case (on an H100, ~150 s):
+    python bench/serve.py --preset llama-3.2-1b --num-prompts 512 --input-len 128 --output-len 128 \\
+        --engine max_num_seqs=512 --engine kv_cache_bytes=8589934592 --streams 64 256 512 --ab-streams 128
+
 --structured measures structured output instead: the same chat prompts, plain and then constrained by a
 JSON schema (response_format), against one server in the same run; one JSON line for each.
     python bench/serve.py --demo small --structured --num-prompts 128 --max-concurrency 64
@@ -25,11 +29,15 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-import httpx
+try:
+    import aiohttp
+except ImportError:  # a GPU host may lack it: raw_http_sender streams over asyncio's own sockets
+    aiohttp = None
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    version: str = ""  # the version that answered (x-modelfleet-version)
     started: float = field(default_factory=time.perf_counter)
     last: float = 0.0
 
@@ -104,6 +113,7 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
         result = Result()
         try:
             async with session.post(f"{url}/v1/completions", json=body) as response:
+                result.version = response.headers.get("x-modelfleet-version", "")
                 if response.status != 200:
                     result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                     return result
@@ -215,6 +225,64 @@ async def run_structured(url: str, model: str, args, schema: dict) -> list[dict]
     return reports
 
 
+def raw_http_sender(url: str, model: str, output_len: int):
+    """What http_sender does, over asyncio streams (one connection per request), for hosts without
+    aiohttp. uvicorn sends each SSE event in one chunk, so event lines never straddle chunk headers."""
+    host, _, port = url.removeprefix("http://").partition(":")
+
+    async def send(prompt: list[int]) -> Result:
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        result = Result()
+        try:
+            reader, writer = await asyncio.open_connection(host, int(port or 80), limit=1 << 22)
+        except OSError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        try:
+            writer.write(head + body)
+            status = int((await reader.readline()).split()[1])
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.strip().lower() == "x-modelfleet-version":
+                    result.version = value.strip()
+            if status != 200:
+                result.error = f"HTTP {status}: {(await reader.read(400))!r}"
+                return result
+            while line := await reader.readline():
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    result.arrived()
+        except (OSError, ValueError, IndexError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        finally:
+            writer.close()
+        return result.done()
+
+    return send
+
+
 def engine_sender(engine, output_len: int):
     from modelfleet.dataplane import SamplingParams
 
@@ -270,37 +338,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: Path, name: str, engine: list[str]) -> tuple[subprocess.Popen, str]:
+def ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def start_server(
+    model_dir: Path | None, name: str, engine: list[str], *, manifest: Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`modelfleet serve` for one model folder (with `engine` settings), or for a manifest file."""
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "modelfleet.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--name",
-        name,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    for pair in engine:
-        command += ["--engine", pair]
+    command = [sys.executable, "-m", "modelfleet.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--log-level", "warning"]
+    if manifest is not None:
+        command += ["--manifest", str(manifest)]
+    else:
+        command += ["--model", str(model_dir), "--name", name]
+        for pair in engine:
+            command += ["--engine", pair]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise SystemExit(f"error: the server exited: {process.stderr.read().strip().splitlines()[-1:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
+        if ready(url):
+            return process, url
         time.sleep(0.25)
     process.terminate()
     raise SystemExit("error: the server did not become ready within 300 s")
@@ -317,27 +383,121 @@ def engine_settings(pairs: list[str]) -> dict:
     return settings
 
 
-async def run_baseline(model_dir: Path, args, prompts) -> dict:
-    """The server's own engine for this model (its loader: a child process on a GPU), driven without HTTP."""
+async def run_baseline(model_dir: Path, args, prompts, concurrencies: list[int | None] | None = None):
+    """The server's own engine for this model (its loader: a child process on a GPU), driven without
+    HTTP: one summary, or one per concurrency given (the engine loaded once)."""
     from modelfleet.dataplane.server.loading import load_engine
     from modelfleet.dataplane.server.model_manager import VersionSpec
 
     settings = tuple((key, json.dumps(value)) for key, value in engine_settings(args.engine).items())
     engine = load_engine(VersionSpec("bench", "baseline", str(model_dir), settings))
+    summaries = []
     try:
-        await run_load(
-            engine_sender(engine, args.output_len), prompts[:2], float("inf"), None, args.seed
-        )  # warm
-        results, duration = await run_load(
-            engine_sender(engine, args.output_len),
-            prompts,
-            args.request_rate,
-            args.max_concurrency,
-            args.seed,
-        )
+        send = engine_sender(engine, args.output_len)
+        await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm
+        for concurrency in concurrencies or [args.max_concurrency]:
+            results, duration = await run_load(send, prompts, args.request_rate, concurrency, args.seed)
+            summaries.append(summarize(results, duration, args.input_len))
     finally:
         engine.close()
-    return summarize(results, duration, args.input_len)
+    return summaries if concurrencies else summaries[0]
+
+
+def ab_manifest(path: Path, model_dir: Path, name: str, engine: dict) -> Path:
+    """Two versions of one model on one device, 50/50, each with half the KV-cache bytes."""
+    halved = {**engine, "kv_cache_bytes": int(engine.get("kv_cache_bytes", 1 << 30)) // 2}
+    versions = ", ".join(
+        f'{{name: {v}, weight: 50, artifact: "{model_dir}", preload: true}}' for v in ("a", "b")
+    )
+    path.write_text(
+        f"models:\n  - name: {name}\n    engine: {json.dumps(halved)}\n    versions: [{versions}]\n"
+    )
+    return path
+
+
+def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
+    """The front end at scale, one JSON line per case: the server at each --streams count against the
+    engine alone in the same run, then an A/B pair of versions on one device against one version alone."""
+    import tempfile
+
+    streams = sorted(set(args.streams))
+    base = {
+        "bench": "serve",
+        "model": args.preset or str(model_dir),
+        "num_prompts": len(prompts),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "engine": engine_settings(args.engine),
+        "cpu_count": os.cpu_count(),
+        "device": device_name(),
+    }
+    points = sorted(set(streams) | {args.ab_streams})
+    served: dict[int, dict] = {}
+    process, url = start_server(model_dir, args.model_name, args.engine)
+    try:
+        for n in points:
+            served[n] = asyncio.run(run_http(url, args.model_name, with_concurrency(args, n), prompts))
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    engine_alone = asyncio.run(run_baseline(model_dir, args, prompts, list(streams)))
+    failed = 0
+    for n, alone in zip(streams, engine_alone, strict=True):
+        server = served[n]
+        failed += server["failed"]
+        line = {**base, "case": "streams", "max_concurrency": n, "server": server, "engine_baseline": alone}
+        line.update(ratios(server, alone))
+        print(json.dumps(line), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        manifest = ab_manifest(
+            Path(tmp) / "ab.yaml", model_dir, args.model_name, engine_settings(args.engine)
+        )
+        process, url = start_server(None, args.model_name, [], manifest=manifest)
+        try:
+            pair_args = with_concurrency(args, args.ab_streams)
+            pair = asyncio.run(run_http(url, args.model_name, pair_args, prompts, by_version=True))
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    failed += pair["failed"]
+    alone = served[args.ab_streams]
+    line = {
+        **base,
+        "case": "ab_50_50",
+        "max_concurrency": args.ab_streams,
+        "pair": pair,
+        "one_version": alone,
+    }
+    line["pair_vs_one_output_throughput"] = round(
+        pair["output_throughput_tok_s"] / max(alone["output_throughput_tok_s"], 1e-9), 3
+    )
+    print(json.dumps(line), flush=True)
+    return 0 if failed == 0 else 1
+
+
+def with_concurrency(args, n: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "max_concurrency": n})
+
+
+def ratios(server: dict, engine: dict) -> dict:
+    """The figures issue-style goals compare: server over engine throughput, and ITL against ITL."""
+    out = {}
+    if engine["output_throughput_tok_s"]:
+        out["server_vs_engine_output_throughput"] = round(
+            server["output_throughput_tok_s"] / engine["output_throughput_tok_s"], 3
+        )
+    if server["itl_ms"]["median"] and engine["itl_ms"]["median"]:
+        out["server_vs_engine_median_itl"] = round(server["itl_ms"]["median"] / engine["itl_ms"]["median"], 3)
+    return out
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
 
 
 def http_session(max_connections: int) -> aiohttp.ClientSession:
@@ -346,12 +506,25 @@ def http_session(max_connections: int) -> aiohttp.ClientSession:
     )
 
 
-async def run_http(url: str, model: str, args, prompts) -> dict:
-    async with http_session(args.max_concurrency or len(prompts)) as session:
-        send = http_sender(session, url, model, args.output_len)
+async def run_http(url: str, model: str, args, prompts, *, by_version: bool = False) -> dict:
+    if aiohttp is None:
+        send = raw_http_sender(url, model, args.output_len)
         await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm-up
         results, duration = await run_load(send, prompts, args.request_rate, args.max_concurrency, args.seed)
-    return summarize(results, duration, args.input_len)
+    else:
+        async with http_session(args.max_concurrency or len(prompts)) as session:
+            send = http_sender(session, url, model, args.output_len)
+            await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm-up
+            results, duration = await run_load(
+                send, prompts, args.request_rate, args.max_concurrency, args.seed
+            )
+    summary = summarize(results, duration, args.input_len)
+    if by_version:  # each version's figures over the same wall time (their throughputs add up)
+        versions = sorted({r.version for r in results if r.ok})
+        summary["versions"] = {
+            v: summarize([r for r in results if r.version == v], duration, args.input_len) for v in versions
+        }
+    return summary
 
 
 def main() -> int:
@@ -362,6 +535,11 @@ def main() -> int:
         "--model", type=Path, help="model folder: start a server for it (and run the baseline)"
     )
     target.add_argument("--demo", choices=["tiny", "small"], help="create (once) and serve a demo model")
+    target.add_argument(
+        "--preset",
+        choices=["llama-3.2-1b", "llama-3.1-8b"],
+        help="build (once, under --demo-dir) a random-weight checkpoint of this shape and serve it",
+    )
     parser.add_argument("--model-name", default="bench", help="model name to request")
     parser.add_argument(
         "--vocab-size", type=int, help="token ids are drawn below this (default: from config)"
@@ -376,6 +554,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE", help="engine setting")
     parser.add_argument("--no-baseline", action="store_true", help="skip the in-process engine baseline")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        nargs="+",
+        help="the scale suite: the server at each of these concurrencies against the engine alone, then "
+        "two versions 50/50 on one device against one version (one JSON line per case)",
+    )
+    parser.add_argument("--ab-streams", type=int, default=128, help="concurrency of the suite's A/B case")
     parser.add_argument("--demo-dir", type=Path, default=Path(".modelfleet/bench"))
     parser.add_argument(
         "--structured", action="store_true", help="plain vs JSON-schema chat completions, one line each"
@@ -392,12 +578,22 @@ def main() -> int:
         model_dir = args.demo_dir / args.demo
         if not (model_dir / "model.safetensors").is_file():
             model_dir = create_demo_model(model_dir, size=args.demo, seed=0, force=True)
+    if args.preset:
+        import torch
+        from throughput import build_preset
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model_dir = Path(build_preset(args.preset, args.demo_dir / args.preset, device))
     vocab = args.vocab_size
     if vocab is None and model_dir is not None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     if vocab is None:
         parser.error("--vocab-size is needed with --base-url")
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    if args.streams:
+        if model_dir is None:
+            parser.error("--streams starts its own servers: give --model, --demo or --preset")
+        return run_suite(args, model_dir, prompts)
 
     report = {
         "bench": "serve",
