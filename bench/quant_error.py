@@ -79,9 +79,10 @@ def per_layer(model: nn.Module, inputs: dict[str, list[torch.Tensor]], fmt: str)
     }
 
 
-def end_to_end(model_dir: Path, fmt: str, reference) -> dict:
+def end_to_end(model_dir: Path, fmt: str, reference, baselines: dict) -> dict:
     """The converter's compare() of `fmt` against the float32 reference; fmt "bf16" is the unquantized
-    artifact in the serving dtype, the baseline of the quantized rows."""
+    artifact in the serving dtype, the baseline of the quantized rows: its figures go into `baselines`
+    (per input set), and the quantized rows are judged relative to them as `modelfleet convert` does."""
     from modelfleet.converters import validate
     from modelfleet.converters.candidates import quantized_candidate, torch_candidate
     from modelfleet.dataplane.quantization import quantize
@@ -120,9 +121,12 @@ def end_to_end(model_dir: Path, fmt: str, reference) -> dict:
         }
         report = {"method": info["method"]}
         keys = ("passed", "maxAbsLogitDiff", "top1Agreement", "perplexityRelDiff", "numDistinctTextIds")
+        extra = ("rule", "thresholds", "baseline", "top1AgreementDecisive", "numDecisivePositions")
         for label, (prompts, text) in inputs.items():
-            r = validate.compare(reference, cand, prompts, text, fmt)
-            report[label] = {k: r[k] for k in keys} | {"failures": r["failures"]}
+            if fmt == "bf16":
+                baselines[label] = validate.measure_baseline(reference, cand, prompts)
+            r = validate.compare(reference, cand, prompts, text, fmt, baselines.get(label))
+            report[label] = {k: r[k] for k in keys + extra if k in r} | {"failures": r["failures"]}
         del cand
     return report
 
@@ -152,10 +156,11 @@ def main() -> None:
     del model, inputs
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    reference = validate.reference(Path(model_dir))
-    result["bf16"] = {"endToEnd": end_to_end(Path(model_dir), "bf16", reference)}
+    reference = validate.cached(validate.reference(Path(model_dir)))
+    baselines: dict = {}
+    result["bf16"] = {"endToEnd": end_to_end(Path(model_dir), "bf16", reference, baselines)}
     for fmt in args.dtypes or ["int8", "fp8"]:
-        result[fmt]["endToEnd"] = end_to_end(Path(model_dir), fmt, reference)
+        result[fmt]["endToEnd"] = end_to_end(Path(model_dir), fmt, reference, baselines)
     print(json.dumps(result))
 
 

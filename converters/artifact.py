@@ -17,7 +17,14 @@ from modelfleet.dataplane.atomic import replace_folder
 
 MANIFEST = "manifest.json"
 SUMMARY_LIMIT = 4096  # a container's termination message is cut at 4 KiB
-SUMMARY_VALIDATION_KEYS = ("passed", "maxAbsLogitDiff", "top1Agreement", "perplexityRelDiff", "method")
+SUMMARY_VALIDATION_KEYS = (
+    "passed",
+    "maxAbsLogitDiff",
+    "top1Agreement",
+    "perplexityRelDiff",
+    "method",
+    "rule",
+)
 
 
 def converter_version() -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
 import tempfile
 import time
@@ -168,7 +169,17 @@ def _validate(
 ) -> dict:
     prompts, text = token_ids
     reference = validate.reference(ckpt.path)
+    baseline = None
     if target.format == "torch" and target.dtype in ("int8", "fp8"):
+        if serving_dtype(target.accelerator) == validate.BASELINE_DTYPE:
+            # the source in bf16 against the same reference: quantized artifacts are judged relative to it
+            reference = validate.cached(reference)
+            base, _ = candidates.torch_candidate(ckpt.path, validate.BASELINE_DTYPE)
+            baseline = validate.measure_baseline(reference, base, prompts)
+            del base
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         cand, how = candidates.quantized_candidate(
             staging, ckpt.path, target.dtype, serving_dtype(target.accelerator)
         )
@@ -178,4 +189,4 @@ def _validate(
         cand, how = candidates.onnx_candidate(staging)
     else:
         cand, how = candidates.tensorrt_candidate(staging)
-    return {**how, **validate.compare(reference, cand, prompts, text, target.dtype)}
+    return {**how, **validate.compare(reference, cand, prompts, text, target.dtype, baseline)}

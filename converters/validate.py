@@ -16,6 +16,30 @@ Measured on the demo models (random weights, so the top two logits are often clo
 a harsh test): small bf16 0.97-0.98, int8 0.95, fp8 0.79-0.81 (e4m3 keeps 3 mantissa bits; on a GPU the
 activations are quantized too). Trained checkpoints have far more decisive logits; tighten per model if
 needed, never loosen to publish a failing artifact.
+
+Quantized artifacts against the bf16 baseline (rule "relative-to-bf16"). The table's int8 and fp8 rows
+allow 2x and 4x the bf16 row's logit difference, but the formats' own rounding is 3x and 13x bf16's: on
+one linear (Gaussian x and weights, 2048-4096 wide) the relative output error is bf16 (x, weight and
+output rounded) 0.29%, int8 per-channel weights 0.85-0.88%, fp8 e4m3 weights with per-token e4m3
+activations 3.74% (RELATIVE_RATIOS, checked by the tests). Through a whole model the logit difference
+grows in proportion to the per-layer error; how much it grows is the model's property (random weights:
+much more than trained ones). On an H100 (bench/results/2026-11-25-h100-quant-error-*.json, ids of the
+validation, float32 reference):
+
+| preset | bf16 max logit diff (x std) | int8 | fp8 | int8 / bf16 | fp8 / bf16 |
+| 1B     | 0.117 (0.13)                | 0.314 (0.35) | 1.238 (1.37) | 2.7 | 10.6 |
+| 8B     | 0.420 (0.33)                | 1.140 (0.89) | 4.034 (3.15) | 2.7 | 9.6  |
+
+The ratios sit under the formats' 3x and 13x on both models, so each artifact is as close as its format
+allows; but the 8B's bf16 artifact alone is over its own 0.25 limit, and on the 1B a faithful fp8 artifact
+would need bf16 under 0.08 std to meet the fp8 row: the absolute rows measured the random weights' gain,
+not the conversion. So when a bf16 baseline of the source is measured in the same validation, a quantized
+artifact's logit limit is the larger of its row's and RELATIVE_RATIOS x the baseline's own max difference
+(a broken layer, e.g. one layer's scales off, goes far past either). Top-1 agreement is then judged on
+the positions the serving dtype itself decides, where the reference's lead over its runner-up exceeds
+twice the baseline's max difference (at the others even the bf16 artifact may flip the top token; random
+weights lead by ~std / 5 on a 128k vocabulary). Perplexity keeps its absolute row. The report names the
+rule and gives both figures (`rule`, `baseline`).
 """
 
 from __future__ import annotations
@@ -58,6 +82,45 @@ THRESHOLDS: dict[str, Thresholds] = {
 
 # A candidate maps token ids [T] to float32 logits [T, vocab].
 LogitsFn = Callable[[list[int]], torch.Tensor]
+
+BASELINE_DTYPE = "bf16"
+# A format's relative output error on one linear over bf16's (see the module docstring): how much larger
+# than the bf16 baseline's its end-to-end logit difference may be.
+RELATIVE_RATIOS = {"int8": 3.0, "fp8": 13.0}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The bf16 model of the source against the same float32 reference, on the same prompts."""
+
+    dtype: str
+    max_abs_logit_diff: float
+    top1_agreement: float
+
+
+def cached(fn: LogitsFn) -> LogitsFn:
+    """`fn` computed once per id sequence (the reference is compared with the baseline, then the artifact)."""
+    memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def run(ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in memo:
+            memo[key] = fn(ids)
+        return memo[key]
+
+    return run
+
+
+def measure_baseline(
+    ref: LogitsFn, base: LogitsFn, prompts: list[list[int]], dtype: str = BASELINE_DTYPE
+) -> Baseline:
+    max_diff, agree, total = 0.0, 0, 0
+    for ids in prompts:
+        r, b = ref(ids), base(ids)
+        max_diff = max(max_diff, (r - b).abs().max().item()) if torch.isfinite(b).all() else math.inf
+        agree += (r.argmax(-1) == b.argmax(-1)).sum().item()
+        total += len(ids)
+    return Baseline(dtype, max_diff, agree / total)
 
 
 def token_ids(model_dir: Path, vocab_size: int) -> tuple[list[list[int]], list[int]]:
@@ -105,18 +168,35 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(nll.item())
 
 
-def compare(ref: LogitsFn, cand: LogitsFn, prompts: list[list[int]], text: list[int], dtype: str) -> dict:
-    """Metrics and verdict (camelCase keys: this dict goes into manifest.json and the operator's status)."""
+def compare(
+    ref: LogitsFn,
+    cand: LogitsFn,
+    prompts: list[list[int]],
+    text: list[int],
+    dtype: str,
+    baseline: Baseline | None = None,
+) -> dict:
+    """Metrics and verdict (camelCase keys: this dict goes into manifest.json and the operator's status).
+    With a bf16 `baseline` measured on the same prompts, an int8/fp8 artifact is judged relative to it
+    (the module docstring's "relative-to-bf16" rule); otherwise, and for other dtypes, by the table."""
     limits = THRESHOLDS[dtype]
+    relative = baseline is not None and dtype in RELATIVE_RATIOS and baseline.dtype == BASELINE_DTYPE
+    decisive_margin = 2 * baseline.max_abs_logit_diff if baseline is not None else math.inf
     max_diff, agree, total, ref_logits_all = 0.0, 0, 0, []
+    decisive_agree, decisive_total = 0, 0
     with progress.task("validate", len(prompts) + 1) as bar:
         for ids in prompts:
             r, c = ref(ids), cand(ids)
             if not torch.isfinite(c).all():
                 max_diff = math.inf
             max_diff = max(max_diff, (r - c).abs().max().item())
-            agree += (r.argmax(-1) == c.argmax(-1)).sum().item()
+            same = r.argmax(-1) == c.argmax(-1)
+            agree += same.sum().item()
             total += len(ids)
+            top2 = r.topk(2, dim=-1).values
+            decisive = (top2[:, 0] - top2[:, 1]) > decisive_margin
+            decisive_agree += (same & decisive).sum().item()
+            decisive_total += decisive.sum().item()
             ref_logits_all.append(r)
             bar.advance()
         ppl_ref, ppl_cand = perplexity(ref(text), text), perplexity(cand(text), text)
@@ -124,16 +204,26 @@ def compare(ref: LogitsFn, cand: LogitsFn, prompts: list[list[int]], text: list[
     ref_std = torch.cat(ref_logits_all).std().item()
     top1 = agree / total
     ppl_rel = abs(ppl_cand - ppl_ref) / ppl_ref if math.isfinite(ppl_cand) else math.inf
-    max_allowed = limits.max_logit_diff_std * ref_std
+    absolute_allowed = limits.max_logit_diff_std * ref_std
+    max_allowed = absolute_allowed
+    judged_top1, top1_what = top1, "top-1 agreement"
+    if relative:
+        assert baseline is not None
+        ratio = RELATIVE_RATIOS[dtype]
+        max_allowed = max(absolute_allowed, ratio * baseline.max_abs_logit_diff)
+        decisive_top1 = decisive_agree / decisive_total if decisive_total else 1.0
+        judged_top1 = decisive_top1  # the undecided positions flip with the serving dtype's own rounding
+        top1_what = f"top-1 agreement on the {decisive_total} decisive positions"
     failures = []
     if not max_diff <= max_allowed:
         failures.append(f"max |logit diff| {max_diff:.4g} > {max_allowed:.4g}")
-    if top1 < limits.min_top1_agreement:
-        failures.append(f"top-1 agreement {top1:.3f} < {limits.min_top1_agreement}")
+    if judged_top1 < limits.min_top1_agreement:
+        failures.append(f"{top1_what} {judged_top1:.3f} < {limits.min_top1_agreement}")
     if not ppl_rel <= limits.max_perplexity_rel_diff:
         failures.append(f"perplexity diff {ppl_rel:.4f} > {limits.max_perplexity_rel_diff}")
-    return {
+    report: dict = {
         "passed": not failures,
+        "rule": "relative-to-bf16" if relative else "absolute",
         "maxAbsLogitDiff": _round(max_diff),
         "top1Agreement": round(top1, 4),
         "perplexityRef": _round(ppl_ref),
@@ -144,6 +234,18 @@ def compare(ref: LogitsFn, cand: LogitsFn, prompts: list[list[int]], text: list[
         "thresholds": {**asdict(limits), "maxAbsLogitDiff": _round(max_allowed)},
         "failures": failures,
     }
+    if relative:
+        assert baseline is not None
+        report["thresholds"]["absoluteMaxAbsLogitDiff"] = _round(absolute_allowed)
+        report["thresholds"]["relativeRatio"] = RELATIVE_RATIOS[dtype]
+        report["top1AgreementDecisive"] = round(decisive_top1, 4)
+        report["numDecisivePositions"] = decisive_total
+        report["baseline"] = {
+            "dtype": baseline.dtype,
+            "maxAbsLogitDiff": _round(baseline.max_abs_logit_diff),
+            "top1Agreement": round(baseline.top1_agreement, 4),
+        }
+    return report
 
 
 def _round(x: float) -> float | str:

@@ -107,6 +107,9 @@ def test_int8_checkpoint_format(tiny_model_dir, tmp_path, capsys):
     assert "lm_head.weight_scale" not in weights
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["validation"]["method"] == "quantized-kernels"
+    # judged against the source's bf16 model, measured in the same validation
+    assert manifest["validation"]["rule"] == "relative-to-bf16"
+    assert manifest["validation"]["baseline"]["dtype"] == "bf16"
     assert manifest["quantization"]["format"] == "int8"
     # Half the bytes of bf16 for every quantized matrix.
     assert (out / "model.safetensors").stat().st_size < (
