@@ -169,7 +169,7 @@ def test_the_engine_thread_streams_while_a_grammar_compiles(tiny_model_dir, held
 
 def test_ignore_eos_is_refused_with_a_grammar(llm):
     """A grammar ends its output with its JSON; past that end no token is valid, so the two conflict."""
-    with pytest.raises(ValueError, match="^ignore_eos: cannot be combined with structured output"):
+    with pytest.raises(ValueError, match=r"^ignore_eos: cannot be combined with structured output"):
         SamplingParams(max_tokens=60, ignore_eos=True, structured=("json_schema", SCHEMA))
 
 
