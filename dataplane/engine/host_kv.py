@@ -143,7 +143,8 @@ class KVSwapper:
         done: list[str] = []
         while self._in_flight and self._in_flight[0][1].query():
             request_ids, event = self._in_flight.pop(0)
-            torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
+            if self.stream is not None:
+                torch.cuda.current_stream(self.kv_cache.device).wait_event(event)
             done += request_ids
         return done
 

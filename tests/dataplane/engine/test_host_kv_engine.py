@@ -82,6 +82,53 @@ def test_a_full_host_pool_loses_hits_but_no_tokens(tiny_model_dir, tokens_withou
     assert stats.num_free_blocks == NUM_BLOCKS
 
 
+class SlowEvent:
+    """An event that a few polls find still pending, like a copy on a side stream."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def test_requests_waiting_for_copies_leave_the_batch_running(
+    tiny_model_dir, tokens_without_tier, monkeypatch
+):
+    issue = KVSwapper.issue
+
+    def slow_issue(self, copies):
+        done = issue(self, copies)
+        if done:
+            self._in_flight.append((done, SlowEvent(3)))
+        return []
+
+    monkeypatch.setattr(KVSwapper, "issue", slow_issue)
+    llm = make_llm(tiny_model_dir, host_blocks=64)
+    block_manager, scheduler = llm.engine.block_manager, llm.engine.scheduler
+    schedule = scheduler.schedule
+    steps = []  # (requests loading, requests scheduled) per step
+
+    def recording_schedule():
+        out = schedule()
+        steps.append((len(block_manager._loading), len(out.scheduled)))
+        return out
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    assert run(llm) == tokens_without_tier
+    assert llm.stats().host_kv_hits == NUM_PREFIXES * PREFIX_BLOCKS * BLOCK
+    # The first prefix is on the host only now: a request with it waits for its copies while a request
+    # that hits nothing, queued after it, runs.
+    steps.clear()
+    batch = [[*workload()[0][0][: PREFIX_BLOCKS * BLOCK], 9, 9, 9], [5] * 40]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    got = [out.token_ids for out in llm.generate(batch, params)]
+    assert steps[0] == (1, 1)
+    assert not llm.engine.host_tier.swapper.busy
+    assert got == [out.token_ids for out in make_llm(tiny_model_dir, host_blocks=0).generate(batch, params)]
+
+
 def test_the_tokens_depend_on_the_copies(tiny_model_dir, tokens_without_tier, monkeypatch):
     """The check above can fail: loads that copy nothing leave other prefixes' keys in the blocks."""
     issue = KVSwapper.issue
