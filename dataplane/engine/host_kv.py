@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from modelfleet.dataplane.engine.block_manager import BlockManager
 
 
 class HostBlockPool:
@@ -168,12 +169,12 @@ class HostTier:
         self.pool = HostBlockPool(num_host_blocks)
         self.swapper = KVSwapper(kv_cache, num_host_blocks)
 
-    def poll(self, block_manager: Any) -> None:
+    def poll(self, block_manager: BlockManager) -> None:
         """Before a schedule: requests whose loads have landed may be admitted."""
         if self.swapper.busy:
             block_manager.finish_loads(self.swapper.poll())
 
-    def issue(self, block_manager: Any) -> None:
+    def issue(self, block_manager: BlockManager) -> None:
         """After a schedule, before its step is launched: the copies it decided."""
         copies = block_manager.take_copies()
         if copies:
