@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import threading
 import uuid
@@ -48,12 +49,15 @@ async def stream_outputs(
             if isinstance(item, BaseException):
                 finished = True
                 raise item
-            while not item.finished and not queue.empty():
-                later = queue.get_nowait()
-                if isinstance(later, BaseException):
-                    held = later
-                    break
-                item = item.followed_by(later)
+            if not item.finished and not queue.empty():
+                pile = [item]
+                while not pile[-1].finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        held = later
+                        break
+                    pile.append(later)
+                item = merged(pile)
             finished = item.finished
             yield item
             if finished:
@@ -61,6 +65,29 @@ async def stream_outputs(
     finally:
         if not finished:
             abandon()
+
+
+def merged(pile: list[RequestOutput]) -> RequestOutput:
+    """One output saying what a request's consecutive outputs say (`RequestOutput.followed_by` applied
+    down the list), built once: a consumer that fell behind by k outputs pays for one, not k copies."""
+    if len(pile) == 1:
+        return pile[0]
+    last = pile[-1]
+    new_text = "".join([output.new_text for output in pile])
+    new_token_ids = [token for output in pile for token in output.new_token_ids]
+    if not last.delta:
+        return dataclasses.replace(last, new_text=new_text, new_token_ids=new_token_ids)
+    logprobs = None
+    if last.logprobs is not None:
+        logprobs = [entry for output in pile for entry in output.logprobs or ()]
+    return dataclasses.replace(
+        last,
+        text=new_text,
+        token_ids=new_token_ids,
+        new_text=new_text,
+        new_token_ids=new_token_ids,
+        logprobs=logprobs,
+    )
 
 
 class ThreadedEngine(ABC):

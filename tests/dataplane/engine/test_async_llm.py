@@ -146,3 +146,30 @@ async def test_one_event_loop_wake_up_per_step_for_all_streams(engine):
     assert all(len(outputs[-1].token_ids) == 6 for outputs in results)
     assert max(steps_with_outputs) > 1  # several streams shared steps
     assert len(wakeups) == len(steps_with_outputs) < sum(steps_with_outputs)
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_a_pile_of_outputs_merges_as_followed_by_does(delta):
+    """Outputs that piled up while the consumer was busy become one, built once; it says exactly what
+    the outputs chained by `followed_by` say."""
+    import functools
+
+    from modelfleet.dataplane.engine.outputs import RequestOutput
+    from modelfleet.dataplane.engine.threaded import merged
+
+    pile, text, ids = [], "", []
+    for step in range(5):
+        ids.append(10 + step)
+        text += f" t{step}"
+        new_ids, lp = [10 + step], [{10 + step: -0.5 * step}]
+        pile.append(
+            RequestOutput(
+                "r", [] if delta else [1, 2], f" t{step}" if delta else text,
+                list(new_ids) if delta else list(ids), f" t{step}", new_ids, lp if delta else None,
+                finish_reason="length" if step == 4 else None, finished=step == 4, delta=delta,
+            )
+        )  # fmt: skip
+    chained = functools.reduce(lambda a, b: a.followed_by(b), pile)
+    assert merged(pile) == chained
+    assert merged(pile).new_token_ids == [10, 11, 12, 13, 14] and merged(pile).new_text == text
+    assert merged(pile[:1]) is pile[0]
