@@ -48,7 +48,8 @@ def skip_fp8_where_missing(fmt, device):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     ("n", "k"),
-    [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (17, 1000)],
+    # 1B qkv, gate_up and down (tuned tiles, doubled for 1-byte weights or not), 8B down (long K), odd sizes
+    [(3072, 2048), (16384, 2048), (2048, 8192), (4096, 14336), (17, 1000)],
 )
 def test_quantized_gemv_matches_the_dequantized_weight(device, fmt, m, n, k):
     from modelfleet.dataplane.kernels.gemv import gemv
@@ -116,7 +117,7 @@ def test_one_byte_weights_take_wider_k_tiles_where_registers_allow():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("m", [1, 4, 5, 64])
+@pytest.mark.parametrize("m", [1, 4, 5])
 def test_quantized_linear_uses_the_gemv_for_decode_only(device, monkeypatch, fmt, m):
     if device.type != "cuda":
         pytest.skip("QuantizedLinear takes the GEMV on CUDA devices")
