@@ -198,3 +198,12 @@ def test_tier_on_gpu_gives_the_same_tokens(tiny_llama_dir):
     assert llm.engine.host_tier.swapper.stream is not None
     assert run(llm) == tokens
     assert llm.stats().host_kv_hits == NUM_PREFIXES * PREFIX_BLOCKS * BLOCK
+
+
+def test_serve_engine_flag_sets_the_host_tier(tiny_model_dir):
+    from modelfleet.dataplane import EngineConfig
+    from modelfleet.dataplane.server.cli import _engine_settings
+
+    settings = _engine_settings(["host_kv_cache_bytes=4194304"])  # modelfleet serve --engine ...
+    assert EngineConfig.from_kwargs(tiny_model_dir, **settings).host_kv_cache_bytes == 4 << 20
+    assert EngineConfig(str(tiny_model_dir)).host_kv_cache_bytes == 0  # off by default
