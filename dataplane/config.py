@@ -38,8 +38,8 @@ class EngineConfig:
     # or processes on the CPU (gloo). It must divide the model's attention heads.
     tensor_parallel_size: int = 1
     # Speculative decoding (engine/speculative.py): "none", "ngram" (drafts looked up in the prompt and
-    # output) or "draft" (a smaller checkpoint with the same tokenizer, speculative_draft_model). Steps then
-    # read their tokens back before the next is planned, and verify steps run without CUDA graphs.
+    # output) or "draft" (a smaller checkpoint with the same tokenizer, speculative_draft_model). Steps
+    # then read their tokens back before the next is planned; decode-only verify steps have CUDA graphs.
     speculative_proposer: str = "none"
     # Draft tokens verified per sequence and step, at most.
     num_speculative_tokens: int = 4

@@ -191,6 +191,7 @@ class LLMEngine(PromptChecks):
                 config.num_speculative_tokens,
                 config.speculative_draft_model,
                 config.seed,
+                cuda_graphs=not config.enforce_eager,
             )
         self._requests: dict[str, _RequestState] = {}
         # The step on the device whose tokens have not been read back yet.
@@ -500,7 +501,7 @@ def _runner_config(config: EngineConfig, model_config: ModelConfig) -> EngineCon
     import dataclasses
 
     if config.speculative_proposer != "none":
-        # Verify steps run eagerly (CUDA graphs capture one token per sequence): none to capture.
+        # Decode graphs capture one token per sequence: a verify step has its own (speculative.py).
         config = dataclasses.replace(config, enforce_eager=True)
     if config.speculative_draft_model is None:
         return config

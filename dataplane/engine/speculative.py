@@ -15,8 +15,12 @@ proposes what followed them (no model); `DraftProposer` runs a smaller checkpoin
 tokenizer, whose KV cache uses the target's block ids (its own tensor of the same blocks), so preemption,
 prefix caching and rollback need no bookkeeping of their own.
 
-Only sequences that sample with temperature alone, without a seed, speculate (`Sequence.speculates`); the
-others decode one token per step beside them in the same forward.
+Only greedy sequences and those that sample with temperature alone, without a seed, speculate
+(`Sequence.speculates`); the others decode one token per step beside them in the same forward.
+
+A verify step whose sequences all decode replays a CUDA graph (`verify_graph_runner`): each sequence's
+rows are padded to k + 1, so one graph per batch size serves every such step. Steps with prefill chunks
+and the draft model's forwards run eagerly.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.model_runner import ModelRunner
     from modelfleet.dataplane.engine.scheduler import ScheduledSequence
+    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +329,14 @@ class Speculator:
     """Proposes drafts, runs the target over them, verifies, and counts what was accepted."""
 
     def __init__(
-        self, runner: ModelRunner, proposer: str, num_tokens: int, draft_model: str | None, seed: int
+        self,
+        runner: ModelRunner,
+        proposer: str,
+        num_tokens: int,
+        draft_model: str | None,
+        seed: int,
+        *,
+        cuda_graphs: bool = True,
     ) -> None:
         self.runner = runner
         self.num_tokens = num_tokens
@@ -336,10 +348,33 @@ class Speculator:
             self.proposer = DraftProposer(runner, draft_model, num_tokens, self.generator)
         else:
             self.proposer = NgramProposer(num_tokens)
+        # Decode-only verify steps in CUDA graphs (a GPU with the Triton attention backend), else None.
+        self.graphs: DecodeGraphRunner | None = None
+        if cuda_graphs and runner.device.type == "cuda":
+            self.graphs = self._capture_graphs()
         # Since the engine started: verifications of at least one draft, drafts, and drafts accepted.
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+
+    def _capture_graphs(self) -> DecodeGraphRunner | None:
+        runner = self.runner
+        graphs = verify_graph_runner(
+            runner.model,
+            runner.kv_caches,
+            max_batch_size=runner.sampled_ids.shape[0],
+            num_tokens_per_seq=self.num_tokens + 1,
+            max_blocks_per_seq=-(-(runner.max_model_len + self.num_tokens) // runner.block_size),
+        )
+        if not graphs.enabled:
+            return None
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception:  # verify steps still run, eagerly
+            logger.warning("speculative decoding: verify steps run without CUDA graphs", exc_info=True)
+            return None
+        return graphs
 
     def reset_counts(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -366,13 +401,21 @@ class Speculator:
             )
         starts = [s.num_computed_tokens for s in scheduled]
         runner = self.runner
-        inputs = build_inputs([s.seq.block_ids for s in scheduled], chunks, starts, runner.block_size)
-        hidden = run_model(runner.model, runner.kv_caches, runner.device, inputs)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and num_seqs <= graphs.max_batch
+            and all(s.num_new_tokens == 1 and s.samples for s in scheduled)
+        ):
+            hidden, ends = self._forward_graph(graphs, scheduled, chunks, starts)
+        else:
+            inputs = build_inputs([s.seq.block_ids for s in scheduled], chunks, starts, runner.block_size)
+            hidden = run_model(runner.model, runner.kv_caches, runner.device, inputs)
+            ends = inputs.cu_query[1:]
 
         token_ids: list[int | list[int] | None] = [None] * num_seqs
         logprobs: list[dict[int, float] | None] = [None] * num_seqs
         errors: list[str | None] = [None] * num_seqs
-        ends = inputs.cu_query[1:]
         verifying = [i for i, s in enumerate(scheduled) if s.samples and s.seq.speculates]
         plain = [i for i, s in enumerate(scheduled) if s.samples and not s.seq.speculates]
         if plain:  # the sampler's own path: penalties, filters, logprobs, seeds
@@ -416,3 +459,101 @@ class Speculator:
                         self.num_accepted_tokens += len(tokens) - 1
                 row += c
         return VerifiedStep(token_ids, logprobs, errors)
+
+    def _forward_graph(
+        self,
+        graphs: DecodeGraphRunner,
+        scheduled: list[ScheduledSequence],
+        chunks: list[list[int]],
+        starts: list[int],
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """A decode-only verify step in a captured graph: each sequence's last token and drafts padded to
+        k + 1 rows (a padding row writes no KV and sits at the last real position; its output is not
+        read). The hidden states, and where each sequence's real rows end in them."""
+        num_seqs, width = len(chunks), self.num_tokens + 1
+        lengths = np.array([len(c) for c in chunks], dtype=np.int64)
+        starts_np = np.array(starts, dtype=np.int64)
+        input_ids = np.zeros((num_seqs, width), dtype=np.int64)
+        for i, chunk in enumerate(chunks):
+            input_ids[i, : len(chunk)] = chunk
+        offsets = np.arange(width)
+        real = offsets < lengths[:, None]
+        positions = starts_np[:, None] + np.minimum(offsets, lengths[:, None] - 1)
+        from modelfleet.dataplane.engine.model_runner import _block_tables
+
+        bs = self.runner.block_size
+        block_tables = _block_tables([s.seq.block_ids for s in scheduled])
+        # Columns up to the padding rows' positions too: attention reads the table that far.
+        num_columns = int((starts_np.max() + width - 1) // bs + 1)
+        if num_columns > block_tables.shape[1]:
+            block_tables = np.pad(block_tables, ((0, 0), (0, num_columns - block_tables.shape[1])))
+        rows = np.repeat(np.arange(num_seqs), width).reshape(num_seqs, width)
+        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slot_mapping = np.where(real, slots, -1)
+        seq_lens = (starts_np + width).astype(np.int32)
+        hidden = graphs.run(
+            {
+                "input_ids": input_ids,
+                "positions": positions,
+                "slot_mapping": slot_mapping,
+                "seq_lens": seq_lens,
+                "block_tables": block_tables,
+            },
+            batch_size=num_seqs,
+        )
+        return hidden.reshape(num_seqs * width, -1), np.arange(num_seqs) * width + lengths
+
+
+def verify_graph_runner(
+    model: torch.nn.Module,
+    kv_caches: list[torch.Tensor],
+    *,
+    max_batch_size: int,
+    num_tokens_per_seq: int,
+    max_blocks_per_seq: int,
+    enabled: bool = True,
+) -> DecodeGraphRunner:
+    """CUDA graphs of verify steps: every sequence has exactly `num_tokens_per_seq` query rows (its last
+    token and k drafts, padded), so one graph per batch size serves every decode-only verify step. The
+    token inputs are [batch, k + 1] buffers; a padded batch row is a sequence of its own k + 1 tokens
+    (no context, no KV writes). The block table holds k positions more than max_model_len: padding rows
+    sit past a sequence's last token. Off the Triton attention backend the runner runs eagerly."""
+    from modelfleet.dataplane.attention.metadata import AttentionMetadata
+    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, default_batch_sizes
+
+    device = kv_caches[0].device
+    width = num_tokens_per_seq
+    buffers = {
+        "input_ids": torch.zeros(max_batch_size, width, dtype=torch.long, device=device),
+        "positions": torch.zeros(max_batch_size, width, dtype=torch.long, device=device),
+        "slot_mapping": torch.full((max_batch_size, width), -1, dtype=torch.long, device=device),
+        "query_start_loc": torch.arange(max_batch_size + 1, dtype=torch.int32, device=device) * width,
+        "seq_lens": torch.full((max_batch_size,), width, dtype=torch.int32, device=device),
+        "block_tables": torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device),
+    }
+    max_seq_len = max_blocks_per_seq * kv_caches[0].shape[2]
+
+    def forward(views: dict[str, torch.Tensor]) -> torch.Tensor:
+        num_seqs = views["seq_lens"].shape[0]
+        metadata = AttentionMetadata(
+            slot_mapping=views["slot_mapping"].reshape(-1),
+            query_start_loc=views["query_start_loc"],
+            seq_lens=views["seq_lens"],
+            block_tables=views["block_tables"],
+            max_query_len=width,
+            max_seq_len=max_seq_len,
+        )
+        hidden = model(views["input_ids"].reshape(-1), views["positions"].reshape(-1), kv_caches, metadata)
+        return hidden.reshape(num_seqs, width, -1)
+
+    backend = getattr(getattr(model, "attention_backend", None), "name", None)
+    return DecodeGraphRunner(
+        forward,
+        buffers,
+        default_batch_sizes(max_batch_size),
+        pad_values={"slot_mapping": -1, "seq_lens": width},
+        static_inputs=lambda n: {
+            "query_start_loc": torch.arange(n + 1, dtype=torch.int32, device=device) * width
+        },
+        enabled=enabled and backend == "triton",
+    )

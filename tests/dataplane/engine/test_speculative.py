@@ -10,7 +10,7 @@ from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.scheduler import Scheduler
 from modelfleet.dataplane.engine.sequence import Sequence
-from modelfleet.dataplane.engine.speculative import NgramProposer, verify
+from modelfleet.dataplane.engine.speculative import NgramProposer, verify, verify_graph_runner
 
 from .hf_checkpoints import make_checkpoint
 
@@ -48,8 +48,8 @@ def mixed_prompts() -> list[list[int]]:
     shared = list(range(100, 140))  # a shared 40-token prefix: prefix-cache hits
     return [
         loop * 6,
-        shared + [1, 2, 3],
-        shared + [4, 5],
+        [*shared, 1, 2, 3],
+        [*shared, 4, 5],
         [7, 8, 9],
         [30, 31, 30, 31, 30, 31, 30, 31, 30],
         list(range(200, 237)),
@@ -185,6 +185,29 @@ def test_greedy_tokens_equal_plain_decoding(model_dir, other_model_dir, proposer
     elif proposer == "ngram":  # the loop prompts repeat
         assert stats.spec_acceptance_rate > 0.3
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-self"])
+def test_verify_steps_in_the_graph_layout_give_plain_tokens(model_dir, proposer):
+    """The CUDA graphs' layout, run eagerly here: every sequence padded to k + 1 rows (padding rows
+    write no KV), the batch padded to a captured size on the GPU."""
+    params = [SamplingParams(max_tokens=28 + 3 * i, **GREEDY) for i in range(6)]
+    expected = [o.token_ids for o in tight_llm(model_dir).generate(mixed_prompts(), params)]
+    extra: dict = dict(speculative_proposer="ngram")
+    if proposer == "draft-self":
+        extra = dict(speculative_proposer="draft", speculative_draft_model=str(model_dir))
+    spec = tight_llm(model_dir, num_speculative_tokens=3, **extra)
+    runner, speculator = spec.engine.runner, spec.engine.speculator
+    graphs = verify_graph_runner(
+        runner.model, runner.kv_caches, max_batch_size=6, num_tokens_per_seq=4, max_blocks_per_seq=16
+    )
+    assert not graphs.enabled  # no CUDA: the same forward, eagerly
+    calls = []
+    run = graphs.run
+    graphs.run = lambda inputs, batch_size: calls.append(batch_size) or run(inputs, batch_size)
+    speculator.graphs = graphs
+    assert [o.token_ids for o in spec.generate(mixed_prompts(), params)] == expected
+    assert len(calls) > 10 and spec.stats().spec_num_accepted_tokens > 0
 
 
 def test_sampled_and_plain_requests_share_verify_steps(model_dir):
