@@ -107,6 +107,25 @@ def test_rejection_sampling_keeps_the_target_distribution(draft_kind):
     assert accepted == pytest.approx(float(expected_rate), abs=0.01)
 
 
+def test_each_position_of_several_drafts_follows_its_own_row():
+    """Two drafts, three rows with different p: the first token follows p0, the second (given the first
+    draft was kept) p1, the third (given both) p2; a row off by one would give another row's p."""
+    n = 60000
+    rows = torch.tensor([[1.5, 0.0, 0.5, -0.5], [0.0, 1.0, -1.0, 0.5], [-1.0, 0.0, 1.0, 0.3]])
+    generator = torch.Generator().manual_seed(4)
+    new = verify(rows.repeat(n, 1), [[0, 1]] * n, [None] * n, [1.0] * n, generator)
+    p = torch.softmax(rows, dim=-1).double()
+    samples = [
+        [t[0] for t in new],
+        [t[1] for t in new if len(t) > 1],  # the first draft (0) was kept
+        [t[2] for t in new if len(t) > 2],  # both were
+    ]
+    for position, tokens in enumerate(samples):
+        counts = torch.bincount(torch.tensor(tokens), minlength=4).double()
+        expected = p[position] * len(tokens)
+        assert float(((counts - expected) ** 2 / expected).sum()) < 16.3  # 3 degrees of freedom: p = 0.001
+
+
 def test_temperature_scales_the_target_in_verification():
     """At temperature 0.5 the target is p ∝ exp(2 logits): the first tokens follow that, not exp(logits)."""
     n = 30000
