@@ -23,9 +23,9 @@ Prompts are random token ids (--input-len each); every request generates --outpu
 ignored), greedy. Each line: tok/s (output tokens over the generate call's wall time), the plain
 engine's tok/s at that batch size and the ratio, acceptance rate (draft tokens accepted / proposed)
 and mean accepted length (tokens a sequence gains per verify step, the target's own included).
-Speculating steps do not overlap the host's work with the device's, and the draft model's forwards run
-without CUDA graphs (verify steps have theirs; see dataplane/engine/speculative.py), while plain
-decoding overlaps and replays graphs: that is part of what is measured.
+Speculating steps do not overlap the host's work with the device's (see dataplane/engine/speculative.py),
+while plain decoding does: that is part of what is measured. Verify steps and the draft's one-token
+forwards replay CUDA graphs; a draft's first forward of each step runs eagerly.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ Only greedy sequences and those that sample with temperature alone, without a se
 (`Sequence.speculates`); the others decode one token per step beside them in the same forward.
 
 A verify step whose sequences all decode replays a CUDA graph (`verify_graph_runner`): each sequence's
-rows are padded to k + 1, so one graph per batch size serves every such step. Steps with prefill chunks
-and the draft model's forwards run eagerly.
+rows are padded to k + 1, so one graph per batch size serves every such step; steps with prefill chunks
+run eagerly. A draft model's one-token forwards replay its own decode graphs; its first forward of a
+step (catching up with the target's tokens) runs eagerly.
 """
 
 from __future__ import annotations
@@ -171,7 +172,13 @@ class DraftProposer:
     the tokens whose draft KV is in the cache; every step first catches it up with the target's tokens."""
 
     def __init__(
-        self, runner: ModelRunner, model_dir: str, num_tokens: int, generator: torch.Generator
+        self,
+        runner: ModelRunner,
+        model_dir: str,
+        num_tokens: int,
+        generator: torch.Generator,
+        *,
+        cuda_graphs: bool = True,
     ) -> None:
         from modelfleet.dataplane.models import load_model, num_local_kv_heads
 
@@ -194,6 +201,30 @@ class DraftProposer:
             mc.head_dim,
         )
         self.kv_caches = list(torch.zeros(shape, dtype=runner.dtype, device=runner.device).unbind(0))
+        # The draft's one-token forwards (all but a step's first) in CUDA graphs, on a GPU.
+        self.graphs: DecodeGraphRunner | None = None
+        if cuda_graphs and runner.device.type == "cuda":
+            self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphRunner | None:
+        from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
+
+        runner = self.runner
+        graphs = model_decode_runner(
+            self.model,
+            self.kv_caches,
+            max_batch_size=runner.sampled_ids.shape[0],
+            max_blocks_per_seq=-(-(runner.max_model_len + self.num_tokens) // runner.block_size),
+        )
+        if not graphs.enabled:
+            return None
+        try:
+            with torch.inference_mode():
+                graphs.capture()
+        except Exception:  # the draft still runs, eagerly
+            logger.warning("speculative decoding: the draft model runs without CUDA graphs", exc_info=True)
+            return None
+        return graphs
 
     @torch.inference_mode()
     def propose_all(self, scheduled: list[ScheduledSequence], *, temperatures: list[float]) -> Drafts:
@@ -226,7 +257,7 @@ class DraftProposer:
             # One more draft forward over the token just proposed (its KV lands where the target's will).
             sub = [scheduled[i] for i in active]
             positions = [ends[i] + j for i in active]
-            hidden = self._forward(sub, [[token_ids[i][-1]] for i in active], positions)
+            hidden = self._forward(sub, [[token_ids[i][-1]] for i in active], positions, decode=True)
             for i in active:
                 scheduled[i].seq.num_draft_computed = ends[i] + j + 1
             last = hidden
@@ -246,9 +277,27 @@ class DraftProposer:
         return ids, probs
 
     def _forward(
-        self, scheduled: list[ScheduledSequence], chunks: list[list[int]], starts: list[int]
+        self,
+        scheduled: list[ScheduledSequence],
+        chunks: list[list[int]],
+        starts: list[int],
+        *,
+        decode: bool = False,
     ) -> torch.Tensor:
         inputs = build_inputs([s.seq.block_ids for s in scheduled], chunks, starts, self.runner.block_size)
+        graphs = self.graphs
+        if decode and graphs is not None and len(chunks) <= graphs.max_batch:
+            # Graph memory: the caller reads these rows before the next forward.
+            return graphs.run(
+                {
+                    "input_ids": inputs.input_ids,
+                    "positions": inputs.positions,
+                    "slot_mapping": inputs.slot_mapping,
+                    "seq_lens": inputs.seq_lens.astype(np.int32),
+                    "block_tables": inputs.block_tables,
+                },
+                batch_size=len(chunks),
+            )
         return run_model(self.model, self.kv_caches, self.runner.device, inputs)
 
 
@@ -345,7 +394,9 @@ class Speculator:
         self.proposer: NgramProposer | DraftProposer
         if proposer == "draft":
             assert draft_model is not None  # EngineConfig checks it
-            self.proposer = DraftProposer(runner, draft_model, num_tokens, self.generator)
+            self.proposer = DraftProposer(
+                runner, draft_model, num_tokens, self.generator, cuda_graphs=cuda_graphs
+            )
         else:
             self.proposer = NgramProposer(num_tokens)
         # Decode-only verify steps in CUDA graphs (a GPU with the Triton attention backend), else None.

@@ -225,8 +225,23 @@ def test_verify_steps_in_the_graph_layout_give_plain_tokens(model_dir, proposer)
     run = graphs.run
     graphs.run = lambda inputs, batch_size: calls.append(batch_size) or run(inputs, batch_size)
     speculator.graphs = graphs
+    draft_calls = []
+    if proposer == "draft-self":  # the draft's one-token forwards through its decode graphs' runner
+        from modelfleet.dataplane.kernels.cuda_graphs import model_decode_runner
+
+        draft = speculator.proposer
+        draft.graphs = model_decode_runner(
+            draft.model, draft.kv_caches, max_batch_size=6, max_blocks_per_seq=16, enabled=False
+        )
+        draft_run = draft.graphs.run
+        draft.graphs.run = lambda inputs, batch_size: (
+            draft_calls.append(batch_size) or draft_run(inputs, batch_size)
+        )
     assert [o.token_ids for o in spec.generate(mixed_prompts(), params)] == expected
     assert len(calls) > 10 and spec.stats().spec_num_accepted_tokens > 0
+    assert (len(draft_calls) > 10) == (proposer == "draft-self")
+    if proposer == "draft-self":  # the draft's KV, written through that runner, is right
+        assert spec.stats().spec_acceptance_rate > 0.95
 
 
 def test_sampled_and_plain_requests_share_verify_steps(model_dir):
