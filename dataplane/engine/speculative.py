@@ -169,7 +169,9 @@ class DraftProposer:
     own. Its KV cache has the target's blocks (same ids, same block size): the draft writes a token's
     keys and values into the slot where the target writes its own, so a prefix-cache hit, a preemption
     or a rollback of the target's blocks is one of the draft's too. `Sequence.num_draft_computed` counts
-    the tokens whose draft KV is in the cache; every step first catches it up with the target's tokens."""
+    the tokens whose draft KV is in the cache; every step first catches it up with the target's tokens.
+    The host KV tier copies the target's blocks only: a block loaded back holds stale draft KV, which
+    costs acceptance, never tokens (verification reads the target alone)."""
 
     def __init__(
         self,

@@ -272,3 +272,19 @@ def test_settings_are_checked(model_dir):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineConfig(str(model_dir), speculative_proposer="ngram", num_speculative_tokens=0)
     assert EngineConfig(str(model_dir)).speculative_proposer == "none"  # off by default
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_greedy_tokens_equal_plain_decoding_with_the_host_kv_tier(model_dir, proposer):
+    """Blocks evicted to host memory and copied back: the target's KV only (a draft's keys and values
+    of those blocks are stale, which may cost acceptance, never tokens)."""
+    params = [SamplingParams(max_tokens=28 + 3 * i, **GREEDY) for i in range(6)]
+    expected = [o.token_ids for o in tight_llm(model_dir).generate(mixed_prompts(), params)]
+    extra: dict = dict(speculative_proposer=proposer, num_speculative_tokens=3)
+    if proposer == "draft":
+        extra["speculative_draft_model"] = str(model_dir)
+    spec = tight_llm(model_dir, host_kv_cache_bytes=1 << 20, **extra)
+    for _ in range(2):
+        assert [o.token_ids for o in spec.generate(mixed_prompts(), params)] == expected
+    stats = spec.stats()
+    assert stats.host_kv_hits > 0 and stats.spec_num_accepted_tokens > 0
