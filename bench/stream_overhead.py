@@ -90,7 +90,7 @@ def stand_in_engine(folder: str, step_s: float, per_output: bool = False):
     return StandInEngine()
 
 
-def serve(port: int, step_ms: float, per_output: bool) -> None:
+def serve(port: int, step_ms: float, per_output: bool, loop: str) -> None:
     import uvicorn
     from modelfleet.dataplane.manifest import single_model_manifest
     from modelfleet.dataplane.server.runtime import build_app
@@ -105,7 +105,7 @@ def serve(port: int, step_ms: float, per_output: bool) -> None:
         loader=lambda spec: stand_in_engine(folder, step_ms / 1e3, per_output),
         estimate_bytes=lambda spec: 0,
     )
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=loop)
 
 
 def measure(args: argparse.Namespace, delivery: str) -> dict:
@@ -113,7 +113,7 @@ def measure(args: argparse.Namespace, delivery: str) -> dict:
     client's summary."""
     port = free_port()
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-port", str(port)]
-    command += ["--step-ms", str(args.step_ms), "--delivery", delivery]
+    command += ["--step-ms", str(args.step_ms), "--delivery", delivery, "--loop", args.loop]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -165,10 +165,16 @@ def main() -> int:
         help="how the stand-in engine hands out a step's tokens: one event-loop wake-up per step (as "
         "the engines do), one per output (the baseline), or both in one run",
     )
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="the server's event loop (auto: uvloop when installed, as uvicorn picks in production)",
+    )
     parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_port:
-        serve(args.serve_port, args.step_ms, per_output=args.delivery == "output")
+        serve(args.serve_port, args.step_ms, per_output=args.delivery == "output", loop=args.loop)
         return 0
 
     runs = [measure(args, d) for d in (["output", "step"] if args.delivery == "both" else [args.delivery])]
@@ -178,6 +184,7 @@ def main() -> int:
         "max_concurrency": args.max_concurrency,
         "output_len": args.output_len,
         "step_ms": args.step_ms,
+        "loop": args.loop,
         **runs[-1],
     }
     if len(runs) == 2:
