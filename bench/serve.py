@@ -8,9 +8,10 @@ the CPU), without HTTP, so the server's overhead shows.
     python bench/serve.py --demo small --num-prompts 64 --max-concurrency 8
     python bench/serve.py --base-url http://localhost:8000 --model-name demo --request-rate 4
 
-With --streams it runs the front end's scale suite, one JSON line per case (on an H100, ~150 s):
+With --streams it runs the front end's scale suite, one JSON line per case (150 to 250 s on an H100):
     python bench/serve.py --preset llama-3.2-1b --num-prompts 512 --input-len 128 --output-len 128 \\
-        --engine max_num_seqs=512 --engine kv_cache_bytes=8589934592 --streams 64 256 512 --ab-streams 128
+        --engine max_num_seqs=512 --engine kv_cache_bytes=8589934592 --engine max_model_len=4096 \\
+        --streams 64 256 512
 
 --structured measures structured output instead: the same chat prompts, plain and then constrained by a
 JSON schema (response_format), against one server in the same run; one JSON line for each.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -430,6 +432,8 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
         "engine": engine_settings(args.engine),
         "cpu_count": os.cpu_count(),
         "device": device_name(),
+        "uvloop": importlib.util.find_spec("uvloop") is not None,  # uvicorn's loop when installed
+        "aiohttp_client": aiohttp is not None,
     }
     points = sorted(set(streams) | {args.ab_streams})
     served: dict[int, dict] = {}
