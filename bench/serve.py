@@ -67,6 +67,58 @@ class Result:
         self.e2e, self.ok = time.perf_counter() - self.started, True
         return self
 
+    def read_event(self, line: bytes, has_text) -> bool:
+        """Reads one SSE line of the answer; False once the stream reported an error."""
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            return True
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            self.error = chunk["error"]["message"]
+            return False
+        if chunk.get("usage"):
+            self.output_tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and has_text(chunk["choices"][0]):
+            self.arrived()
+        return True
+
+
+def completion_text(choice: dict) -> bool:
+    return bool(choice.get("text"))
+
+
+def chat_text(choice: dict) -> bool:
+    return bool(choice.get("delta", {}).get("content"))
+
+
+def completion_body(model: str, prompt: list[int], output_len: int) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def post_stream(session: aiohttp.ClientSession, url: str, body: dict, has_text) -> Result:
+    """POSTs one streaming request and times its answer's events."""
+    result = Result()
+    try:
+        async with session.post(url, json=body) as response:
+            result.version = response.headers.get("x-modelfleet-version", "")
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
+                return result
+            async for raw in response.content:
+                if not result.read_event(raw, has_text):
+                    return result
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    return result.done()
+
 
 def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -103,37 +155,8 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
     as seconds of time to first token (bench/stream_overhead.py)."""
 
     async def send(prompt: list[int]) -> Result:
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": output_len,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        result = Result()
-        try:
-            async with session.post(f"{url}/v1/completions", json=body) as response:
-                result.version = response.headers.get("x-modelfleet-version", "")
-                if response.status != 200:
-                    result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
-                    return result
-                async for raw in response.content:
-                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(raw[6:])
-                    if "error" in chunk:
-                        result.error = chunk["error"]["message"]
-                        return result
-                    if chunk.get("usage"):
-                        result.output_tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        result.arrived()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-            return result
-        return result.done()
+        body = completion_body(model, prompt, output_len)
+        return await post_stream(session, f"{url}/v1/completions", body, completion_text)
 
     return send
 
@@ -176,27 +199,7 @@ def chat_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
                 "type": "json_schema",
                 "json_schema": {"name": "bench", "schema": schema},
             }
-        result = Result()
-        try:
-            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
-                if response.status != 200:
-                    result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
-                    return result
-                async for raw in response.content:
-                    if not raw.startswith(b"data: ") or raw.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(raw[6:])
-                    if "error" in chunk:
-                        result.error = chunk["error"]["message"]
-                        return result
-                    if chunk.get("usage"):
-                        result.output_tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                        result.arrived()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-            return result
-        return result.done()
+        return await post_stream(session, f"{url}/v1/chat/completions", body, chat_text)
 
     return send
 
@@ -233,17 +236,7 @@ def raw_http_sender(url: str, model: str, output_len: int):
     host, _, port = url.removeprefix("http://").partition(":")
 
     async def send(prompt: list[int]) -> Result:
-        body = json.dumps(
-            {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": output_len,
-                "ignore_eos": True,
-                "temperature": 0.0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-        ).encode()
+        body = json.dumps(completion_body(model, prompt, output_len)).encode()
         head = (
             f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -265,16 +258,8 @@ def raw_http_sender(url: str, model: str, output_len: int):
                 result.error = f"HTTP {status}: {(await reader.read(400))!r}"
                 return result
             while line := await reader.readline():
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
+                if not result.read_event(line, completion_text):
                     return result
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    result.arrived()
         except (OSError, ValueError, IndexError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
