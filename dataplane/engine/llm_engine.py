@@ -180,7 +180,7 @@ class LLMEngine(PromptChecks):
             num_speculative_tokens=num_speculative_tokens,
         )
         self.speculator: Speculator | None = None
-        if config.speculative_proposer != "none":
+        if speculates:
             from modelfleet.dataplane.engine.speculative import Speculator
 
             if not isinstance(self.runner, ModelRunner):

@@ -218,15 +218,7 @@ class DraftProposer:
             max_batch_size=runner.sampled_ids.shape[0],
             max_blocks_per_seq=-(-(runner.max_model_len + self.num_tokens) // runner.block_size),
         )
-        if not graphs.enabled:
-            return None
-        try:
-            with torch.inference_mode():
-                graphs.capture()
-        except Exception:  # the draft still runs, eagerly
-            logger.warning("speculative decoding: the draft model runs without CUDA graphs", exc_info=True)
-            return None
-        return graphs
+        return captured(graphs, "the draft model runs")
 
     @torch.inference_mode()
     def propose_all(self, scheduled: list[ScheduledSequence], *, temperatures: list[float]) -> Drafts:
@@ -301,6 +293,19 @@ class DraftProposer:
                 batch_size=len(chunks),
             )
         return run_model(self.model, self.kv_caches, self.runner.device, inputs)
+
+
+def captured(graphs: DecodeGraphRunner, what: str) -> DecodeGraphRunner | None:
+    """`graphs` once captured; None (run eagerly) where graphs are off or their capture fails."""
+    if not graphs.enabled:
+        return None
+    try:
+        with torch.inference_mode():
+            graphs.capture()
+    except Exception:  # the step still runs, eagerly
+        logger.warning("speculative decoding: %s without CUDA graphs", what, exc_info=True)
+        return None
+    return graphs
 
 
 @dataclass
@@ -419,15 +424,7 @@ class Speculator:
             num_tokens_per_seq=self.num_tokens + 1,
             max_blocks_per_seq=-(-(runner.max_model_len + self.num_tokens) // runner.block_size),
         )
-        if not graphs.enabled:
-            return None
-        try:
-            with torch.inference_mode():
-                graphs.capture()
-        except Exception:  # verify steps still run, eagerly
-            logger.warning("speculative decoding: verify steps run without CUDA graphs", exc_info=True)
-            return None
-        return graphs
+        return captured(graphs, "verify steps run")
 
     def reset_counts(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
