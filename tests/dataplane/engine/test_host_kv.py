@@ -7,20 +7,8 @@ from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.host_kv import HostBlockPool
 from modelfleet.dataplane.engine.scheduler import Scheduler
 from modelfleet.dataplane.engine.sequence import Sequence
-from modelfleet.dataplane.sampling_params import SamplingParams
 
-BLOCK = 4
-
-
-def make_seq(request_id: str, token_ids: list[int]) -> Sequence:
-    return Sequence(request_id, token_ids, SamplingParams())
-
-
-def admit(bm: BlockManager, seq: Sequence) -> int:
-    hits, num_hit = bm.get_computed_blocks(seq)
-    assert bm.allocate_slots(seq, seq.num_tokens - num_hit, hits)
-    seq.num_computed_tokens = seq.num_tokens
-    return num_hit
+from tests.dataplane.engine.test_block_manager import BLOCK, admit, make_seq
 
 
 def test_host_pool_reuses_the_least_recently_used_unpinned_block():
