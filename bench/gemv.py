@@ -10,8 +10,10 @@ as a model's consecutive layers do. Prints one JSON line: microseconds per call,
 
 --weight-dtype adds, per shape, the GEMV reading the same weights quantized per channel (int8, or fp8
 e4m3 on GPUs that have it) with their scales: `<fmt>_us`, `<fmt>_tbps` (its weight and scale bytes read
-per second) and `<fmt>_speedup` over the bf16 GEMV of the same shape, measured the same way.
+per second), `<fmt>_speedup` over the bf16 GEMV of the same shape, measured the same way, and
+`<fmt>_cvt_us`: the same launch decoding its bytes with conversion instructions instead of bit operations.
     python bench/gemv.py --sweep [--budget-s 150] [--out results.json]   # time a grid of launch configs
+    python bench/gemv.py --sweep --weight-dtype int8                     # the same for 1-byte weights
 
 --sweep compiles the grid in parallel worker processes first (Triton's disk cache keeps the kernels), then
 times every config of every shape and M and reports the fastest; its winners are gemv.py's TUNED table.
@@ -103,10 +105,14 @@ def quantized_copies(n: int, k: int, fmt: str, device: torch.device) -> list[tup
     return [quantize(torch.randn(n, k, device=device) / math.sqrt(k), fmt) for _ in range(count)]
 
 
-def quantized_gemv(x: torch.Tensor, pair: tuple) -> torch.Tensor:
+def quantized_gemv(x: torch.Tensor, pair: tuple, config=None) -> torch.Tensor:
     from modelfleet.dataplane.kernels.gemv import gemv
 
-    return gemv(x, pair[0], scale=pair[1])
+    return gemv(x, pair[0], scale=pair[1], config=config)
+
+
+def quantized_call(config=None):
+    return lambda x, pair: quantized_gemv(x, pair, config)
 
 
 def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtypes: list[str]) -> dict:
@@ -125,7 +131,13 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtyp
         for fmt in weight_dtypes:
             pairs = quantized_copies(n, k, fmt, device)
             q_us = graph_us(quantized_gemv, pairs, x)
+            q_config = default_config(
+                m, n, k, torch.cuda.get_device_properties(device).multi_processor_count, 1
+            )
+            # the same launch decoding its bytes with conversion instructions instead of bit operations
+            cvt_us = graph_us(quantized_call(dataclasses.replace(q_config, decode_bits=False)), pairs, x)
             quantized[f"{fmt}_us"] = round(q_us, 2)
+            quantized[f"{fmt}_cvt_us"] = round(cvt_us, 2)
             quantized[f"{fmt}_tbps"] = round((n * k + 4 * n) / q_us / 1e6, 3)
             quantized[f"{fmt}_speedup"] = round(ours / q_us, 3)
             del pairs
@@ -162,15 +174,18 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtyp
 # ---- --sweep: a grid of launch configurations per (shape, M) ----
 
 
-def sweep_configs(m: int, n: int, k: int) -> list:
+def sweep_configs(m: int, n: int, k: int, weight_bytes: int = 2) -> list:
     from modelfleet.dataplane.kernels.gemv import MAX_ROWS_PER_PROGRAM, GemvConfig
 
     rows = min(m, MAX_ROWS_PER_PROGRAM)
     configs = []
+    # 1-byte weights: wider K tiles move as many bytes per load as the bf16 ones
+    block_ks = (256, 512, 1024) if weight_bytes == 2 else (512, 1024, 2048, 4096)
     for bn, bk, nw, at_end, split, pdl in itertools.product(
-        (1, 2, 4, 8, 16), (256, 512, 1024), (4, 8), (False, True), (1, 2, 4), (True, False)
+        (1, 2, 4, 8, 16), block_ks, (4, 8), (False, True), (1, 2, 4), (True, False)
     ):
-        per_thread = rows * bn * bk / (32 * nw)  # fp32 accumulator (or product) registers per thread
+        # fp32 accumulator (or product) registers per thread; a packed 1-byte tile decodes a quarter at a time
+        per_thread = rows * bn * bk / (32 * nw) / (4 if weight_bytes == 1 else 1)
         if per_thread > 64 or per_thread < 2 or bk > k or k // split < 2 * bk:
             continue
         if nw == 8 and bn * bk < 8192:
@@ -188,15 +203,17 @@ _WORKER_WEIGHTS: dict = {}
 
 
 def _compile_task(task) -> str | None:
-    m, config, dtype_name = task
+    m, config, dtype_name, fmt = task
     from modelfleet.dataplane.kernels.gemv import gemv
+    from modelfleet.dataplane.quantization import quantize
 
     dtype = getattr(torch, dtype_name)
     try:
-        if dtype not in _WORKER_WEIGHTS:
-            _WORKER_WEIGHTS[dtype] = torch.randn(4096, 16384, device="cuda").to(dtype)
-        w = _WORKER_WEIGHTS[dtype]
-        gemv(torch.randn(m, w.shape[1], device="cuda").to(dtype), w, config=config)
+        if (dtype, fmt) not in _WORKER_WEIGHTS:
+            w = torch.randn(4096, 16384, device="cuda")
+            _WORKER_WEIGHTS[(dtype, fmt)] = quantize(w, fmt) if fmt else (w.to(dtype), None)
+        w, scale = _WORKER_WEIGHTS[(dtype, fmt)]
+        gemv(torch.randn(m, w.shape[1], device="cuda").to(dtype), w, scale=scale, config=config)
         torch.cuda.synchronize()
         return None
     except Exception as exc:  # a config that does not compile is reported, not fatal
@@ -216,14 +233,17 @@ def sweep(
     budget_s: float,
     workers: int,
     progress_path: str | None,
+    fmt: str | None = None,
 ) -> dict:
+    """The fastest launch configs per shape and M, of bf16 weights or (fmt) 1-byte ones with scales."""
     t0 = time.monotonic()
-    grid = {(m, n, k): sweep_configs(m, n, k) for m in ms for _, _, n, k in SHAPES}
+    weight_bytes = 1 if fmt else 2
+    grid = {(m, n, k): sweep_configs(m, n, k, weight_bytes) for m in ms for _, _, n, k in SHAPES}
     # one compile per distinct kernel: the shapes share their specialisations (N, K multiples of 16)
     # (the split count only changes the small reduce kernel, compiled on first use)
     tasks = sorted(
         {
-            (m, dataclasses.replace(c, split_k=min(c.split_k, 2)), str(dtype).split(".")[1])
+            (m, dataclasses.replace(c, split_k=min(c.split_k, 2)), str(dtype).split(".")[1], fmt)
             for (m, _, _), cs in grid.items()
             for c in cs
         },
@@ -240,15 +260,22 @@ def sweep(
             if time.monotonic() - t0 > budget_s:
                 skipped += 1
                 continue
-            weights = weight_copies(n, k, dtype, device)
             x = torch.randn(m, k, device=device).to(dtype)
-            want = F.linear(x.float(), weights[0].float())
-            base = graph_us(cublas, weights, x)
+            if fmt:
+                from modelfleet.dataplane.quantization import dequantize
+
+                weights = quantized_copies(n, k, fmt, device)
+                want = F.linear(x.float(), dequantize(*weights[0]).float())
+                base = graph_us(quantized_call(), weights, x)
+            else:
+                weights = weight_copies(n, k, dtype, device)
+                want = F.linear(x.float(), weights[0].float())
+                base = graph_us(cublas, weights, x)
             timed = []
             for config in grid[(m, n, k)]:
                 if time.monotonic() - t0 > budget_s:
                     break
-                call = gemv_call(config)
+                call = quantized_call(config) if fmt else gemv_call(config)
                 try:
                     err = (call(x, weights[0]).float() - want).abs().max().item()
                     timed.append((graph_us(call, weights, x), err, config))
@@ -258,7 +285,7 @@ def sweep(
                     )
             timed.sort(key=lambda t: t[0])
             try:
-                default_us = graph_us(gemv_call(), weights, x)
+                default_us = base if fmt else graph_us(gemv_call(), weights, x)
             except Exception as exc:
                 default_us = float("nan")
                 compile_errors.append(f"default config at m={m} n={n} k={k}: {type(exc).__name__}")
@@ -269,12 +296,16 @@ def sweep(
                     "m": m,
                     "n": n,
                     "k": k,
-                    "cublas_us": round(base, 2),
+                    "cublas_us": None if fmt else round(base, 2),
                     "default_us": round(default_us, 2),
                     "tried": len(timed),
                     "max_err": round(max((t[1] for t in timed), default=0.0), 5),
                     "best": [
-                        {"us": round(us, 2), "tbps": tbps(n, k, dtype, us), "config": str(c)}
+                        {
+                            "us": round(us, 2),
+                            "tbps": round(n * k * weight_bytes / us / 1e6, 3),
+                            "config": str(c),
+                        }
                         for us, _, c in timed[:5]
                     ],
                 }
@@ -302,7 +333,7 @@ def main() -> int:
         action="append",
         default=[],
         choices=["int8", "fp8"],
-        help="also time the GEMV on these 1-byte weights (not with --sweep)",
+        help="also time the GEMV on these 1-byte weights (--sweep: sweep the first of them, not bf16)",
     )
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configurations")
     parser.add_argument("--budget-s", type=float, default=150.0, help="--sweep: stop timing after this")
@@ -317,7 +348,8 @@ def main() -> int:
     torch.manual_seed(0)
     if args.sweep:
         progress = f"{args.out}.partial" if args.out else None
-        result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress)
+        fmt = args.weight_dtype[0] if args.weight_dtype else None
+        result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress, fmt)
     else:
         result = compare(args.m, dtype, device, args.weight_dtype)
     result = {"device": torch.cuda.get_device_name(device), "dtype": args.dtype, **result}

@@ -12,8 +12,9 @@ once to x's dtype, as F.linear's is. The launch configuration is fixed per (M, N
 CUDA-graph capturable.
 
 The same kernel reads 1-byte quantized weights (int8, or float8 e4m3 on GPUs that have it) with float32
-per-output-channel scales (modelfleet.dataplane.quantization's format): each weight tile is converted to
-float32 in registers, the activations stay in bf16/fp16, and the finished fp32 row sums are multiplied by
+per-output-channel scales (modelfleet.dataplane.quantization's format): each weight tile is loaded as
+4-byte words and decoded to float32 in registers by bit operations (see _byte_to_f32), the activations
+stay in bf16/fp16, and the finished fp32 row sums are multiplied by
 their channel's scale once, before the bias. Half the bytes of bf16 cross from memory, which is what
 bounds a decode linear.
 """
@@ -41,6 +42,7 @@ class GemvConfig:
     split_k: int = 1  # programs sharing one row block's K range
     reduce_at_end: bool = False  # keep [BLOCK_N, BLOCK_K] accumulators, reduced once after the loop
     use_pdl: bool = True  # programmatic dependent launch: load weights while the previous kernel finishes
+    decode_bits: bool = True  # 1-byte weights: decoded by bit operations on 4-byte words, not by conversions
 
 
 @triton.jit
@@ -59,6 +61,51 @@ def _row_dot(
     if not AT_END:
         prod = tl.sum(prod, axis=1)
     return acc + prod
+
+
+@triton.jit
+def _byte_to_f32(words, j: tl.constexpr, FP8: tl.constexpr):
+    """Byte j of each uint32 word as float32, without a conversion instruction: those issue at a quarter
+    of the ALU rate and bound a GEMV that streams 1-byte weights at full memory bandwidth.
+    int8: the byte, offset to 0..255, becomes the low mantissa bits of 2**23 (the 2**23 + 128 comes off
+    again). float8 e4m3: its sign, exponent and mantissa bits move to their float32 places, which reads
+    as the value times 2**-120 (exponent bias 127 against 7; subnormals land on float32 subnormals), so
+    one multiply by 2**120 restores it exactly."""
+    if FP8:
+        sign = (words << (24 - 8 * j)) & 0x80000000
+        magnitude = ((words >> 4) if j == 3 else (words << (20 - 8 * j))) & 0x07F00000
+        return (sign | magnitude).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    byte = (words >> (8 * j)) & 0xFF
+    return (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
+
+
+@triton.jit
+def _rows_dot(
+    acc0,
+    acc1,
+    acc2,
+    acc3,
+    w,
+    x_rows,
+    stride_xm,
+    cols,
+    k_end,
+    m0,
+    M,
+    BLOCK_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MASK_M: tl.constexpr,
+    AT_END: tl.constexpr,
+):
+    """One fp32 weight tile times up to 4 rows of x (the columns of x at `cols`)."""
+    acc0 = _row_dot(acc0, w, x_rows, cols, k_end, m0 < M, EVEN_K, MASK_M, AT_END)
+    if BLOCK_M > 1:
+        acc1 = _row_dot(acc1, w, x_rows + stride_xm, cols, k_end, m0 + 1 < M, EVEN_K, MASK_M, AT_END)
+    if BLOCK_M > 2:
+        acc2 = _row_dot(acc2, w, x_rows + 2 * stride_xm, cols, k_end, m0 + 2 < M, EVEN_K, MASK_M, AT_END)
+    if BLOCK_M > 3:
+        acc3 = _row_dot(acc3, w, x_rows + 3 * stride_xm, cols, k_end, m0 + 3 < M, EVEN_K, MASK_M, AT_END)
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -115,7 +162,12 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     REDUCE_AT_END: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PACKED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
+    # PACKED: w_ptr is the 1-byte weight seen as uint32 words, 4 weights each; a tile is BLOCK_K // 4 words
+    PACK: tl.constexpr = 4 if PACKED else 1
+    BLOCK_W: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -123,12 +175,13 @@ def _gemv_kernel(
     # the last block's rows past N re-read row N - 1 rather than masking every load; their sums are dropped
     w_rows = w_ptr + tl.minimum(rows, N - 1).to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + m0.to(tl.int64) * stride_xm
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_W)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    w_end = k_end // PACK
     # up to 4 rows of x, each with its own accumulator (one weight tile feeds them all)
     if REDUCE_AT_END:
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     else:
         acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc1 = acc0  # (only the first BLOCK_M are used)
@@ -136,12 +189,12 @@ def _gemv_kernel(
     acc3 = acc0
     # The first weight tile is loaded before waiting for the previous kernel (programmatic dependent
     # launch): the weights never depend on it, only x does. Later tiles are loaded one iteration ahead.
-    cols = k_start + offs_k
+    cols = k_start // PACK + offs_w
     if EVEN_K:
         w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
     else:
         w = tl.load(
-            w_rows + cols[None, :], mask=cols[None, :] < k_end, other=0.0, eviction_policy="evict_first"
+            w_rows + cols[None, :], mask=cols[None, :] < w_end, other=0.0, eviction_policy="evict_first"
         )
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -149,29 +202,53 @@ def _gemv_kernel(
         # take free slots: releasing it now rather than after the loop measured 914 vs 910 tokens/s (1B)
         tl.extra.cuda.gdc_launch_dependents()
     for k in range(k_start, k_end, BLOCK_K):
-        cols = k + offs_k
-        ahead = cols + BLOCK_K
+        cols = k // PACK + offs_w
+        ahead = cols + BLOCK_W
         if EVEN_K:
             w_next = tl.load(
                 w_rows + ahead[None, :], mask=k + BLOCK_K < k_end, other=0.0, eviction_policy="evict_first"
             )
         else:
             w_next = tl.load(
-                w_rows + ahead[None, :], mask=ahead[None, :] < k_end, other=0.0, eviction_policy="evict_first"
+                w_rows + ahead[None, :], mask=ahead[None, :] < w_end, other=0.0, eviction_policy="evict_first"
             )
-        wf = w.to(tl.float32)
-        acc0 = _row_dot(acc0, wf, x_rows, cols, k_end, m0 < M, EVEN_K, MASK_M, REDUCE_AT_END)
-        if BLOCK_M > 1:
-            acc1 = _row_dot(
-                acc1, wf, x_rows + stride_xm, cols, k_end, m0 + 1 < M, EVEN_K, MASK_M, REDUCE_AT_END
-            )
-        if BLOCK_M > 2:
-            acc2 = _row_dot(
-                acc2, wf, x_rows + 2 * stride_xm, cols, k_end, m0 + 2 < M, EVEN_K, MASK_M, REDUCE_AT_END
-            )
-        if BLOCK_M > 3:
-            acc3 = _row_dot(
-                acc3, wf, x_rows + 3 * stride_xm, cols, k_end, m0 + 3 < M, EVEN_K, MASK_M, REDUCE_AT_END
+        if PACKED:  # byte j of word c is weight column 4c + j
+            words = w.to(tl.uint32, bitcast=True)
+            for j in tl.static_range(4):
+                acc0, acc1, acc2, acc3 = _rows_dot(
+                    acc0,
+                    acc1,
+                    acc2,
+                    acc3,
+                    _byte_to_f32(words, j, FP8),
+                    x_rows,
+                    stride_xm,
+                    cols * 4 + j,
+                    k_end,
+                    m0,
+                    M,
+                    BLOCK_M,
+                    EVEN_K,
+                    MASK_M,
+                    REDUCE_AT_END,
+                )
+        else:
+            acc0, acc1, acc2, acc3 = _rows_dot(
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                w.to(tl.float32),
+                x_rows,
+                stride_xm,
+                cols,
+                k_end,
+                m0,
+                M,
+                BLOCK_M,
+                EVEN_K,
+                MASK_M,
+                REDUCE_AT_END,
             )
         w = w_next
     _store_row(
@@ -389,10 +466,15 @@ def gemv(
     # the PDL instructions are compiled in wherever PDL exists (the wait is a no-op in a kernel launched
     # without it, and the trigger lets a PDL-launched successor start early either way)
     pdl = pdl_supported(x.device)
+    # 1-byte weights are read as 4-byte words and decoded by bit operations where K allows it
+    packed = (
+        scale is not None and cfg.decode_bits and k % 4 == 0 and block_k >= 64 and weight.stride(0) % 4 == 0
+    )
+    w_arg = weight.view(torch.int32) if packed else weight
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, rows_per_program))
     _gemv_kernel[grid](
         x2,
-        weight,
+        w_arg,
         bias_arg,
         scale_arg,
         target,
@@ -400,7 +482,7 @@ def gemv(
         n,
         k,
         x2.stride(0),
-        weight.stride(0),
+        w_arg.stride(0),
         out.stride(0),
         k_per_split,
         HAS_BIAS=bias is not None,
@@ -413,6 +495,8 @@ def gemv(
         EVEN_K=k % block_k == 0,
         REDUCE_AT_END=cfg.reduce_at_end,
         USE_PDL=pdl,
+        PACKED=packed,
+        FP8=weight.dtype == torch.float8_e4m3fn,
         num_warps=cfg.num_warps,
         launch_pdl=cfg.use_pdl and pdl,
     )

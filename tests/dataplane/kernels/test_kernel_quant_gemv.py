@@ -78,6 +78,45 @@ def test_quantized_gemv_every_launch_shape(device, fmt, split_k, reduce_at_end):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_weight_code_decodes_exactly_at_every_byte_position(device, fmt):
+    """The bit-operation decode of 4-byte words: every int8 value and every finite e4m3 value (subnormals
+    and negative zero included) sits once in each of a word's 4 byte places; x of ones reads it back
+    exactly (each code is a bf16 value), against the decode by conversion instructions."""
+    from modelfleet.dataplane.kernels.gemv import GemvConfig, gemv
+
+    skip_fp8_where_missing(fmt, device)
+    if fmt == "int8":
+        codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    else:
+        codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
+        codes = codes[~codes.float().isnan()]
+    n, k = 4 * len(codes), 64
+    weight = torch.zeros(n, k, dtype=codes.dtype)
+    rows = torch.arange(n)
+    weight.view(torch.uint8)[rows, rows % 4 + 4 * (rows % 16 // 4)] = codes.repeat_interleave(4).view(
+        torch.uint8
+    )
+    weight, scale = weight.to(device), torch.ones(n, device=device)
+    x = torch.ones(1, k, device=device, dtype=torch.bfloat16)
+    want = codes.float().repeat_interleave(4).to(device)
+    for decode_bits in (True, False):
+        config = GemvConfig(block_n=4, block_k=64, num_warps=4, decode_bits=decode_bits)
+        got = gemv(x, weight, scale=scale, config=config)
+        torch.testing.assert_close(got[0].float(), want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_k_that_is_not_whole_words_takes_the_conversion_path(device, fmt):
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    skip_fp8_where_missing(fmt, device)
+    x, weight, scale, bias = quantized_linear(2, 33, 1001, fmt, device, with_bias=True)
+    torch.testing.assert_close(gemv(x, weight, bias, scale=scale), reference(x, weight, scale, bias), **TOL)
+
+
+@pytest.mark.gpu
 def test_a_corrupted_scale_shows_in_its_channel_only(device):
     """The scale is really read per output channel: doubling one channel's scale doubles that output."""
     from modelfleet.dataplane.kernels.gemv import gemv
@@ -145,6 +184,9 @@ INTERPRETER_CASES = [
     "test_quantized_gemv_every_launch_shape[False-3-int8]",
     "test_quantized_gemv_every_launch_shape[True-1-fp8]",
     "test_a_corrupted_scale_shows_in_its_channel_only",
+    "test_every_weight_code_decodes_exactly_at_every_byte_position[int8]",
+    "test_every_weight_code_decodes_exactly_at_every_byte_position[fp8]",
+    "test_a_k_that_is_not_whole_words_takes_the_conversion_path[int8]",
 ]
 
 
