@@ -1,10 +1,15 @@
 """The host KV tier's bookkeeping: the host pool's LRU, spills of evicted prefix blocks, loads back, and a
-scheduler that lets a loading request wait without holding up the batch. Plain Python, exact block ids."""
+scheduler that lets a loading request wait without holding up the batch. Plain Python, exact block ids.
+Last, bench/kv_tier.py's comparisons in small on the CPU: the tier against device prefix hits, and its
+check of every copy, which a misplaced load fails."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from modelfleet.dataplane.engine.block_manager import BlockManager
-from modelfleet.dataplane.engine.host_kv import HostBlockPool
+from modelfleet.dataplane.engine.host_kv import HostBlockPool, KVSwapper
 from modelfleet.dataplane.engine.scheduler import Scheduler
 from modelfleet.dataplane.engine.sequence import Sequence
 
@@ -187,3 +192,54 @@ def test_scheduler_runs_others_while_a_request_waits_for_its_copies():
         ("other", 4, 1),
         ("hit", 8, 1),
     ]
+
+
+# Blocks of 16 tokens: a KV cache of 2 x 6 blocks, 6 prefixes of 4 blocks (twice the cache), a host pool
+# of 36 blocks, 24 requests of one prefix and 8 fresh tokens each.
+BENCH_ARGS = [
+    *("--device", "cpu", "--dtype", "float32", "--concurrency", "2", "--max-model-len", "96"),
+    *("--prefix-len", "64", "--suffix-len", "8", "--output-len", "4", "--num-requests", "24"),
+    "--check-copies",
+]
+
+
+def run_bench(model_dir, monkeypatch, capsys) -> dict[str, dict]:
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[3] / "bench"))
+    import kv_tier
+
+    assert kv_tier.main(["--model", str(model_dir), *BENCH_ARGS]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    return {line["case"]: line for line in lines}
+
+
+def test_bench_compares_the_tier_with_device_hits_and_checks_every_copy(tiny_model_dir, monkeypatch, capsys):
+    cases = run_bench(tiny_model_dir, monkeypatch, capsys)
+    assert list(cases) == ["tier_off", "gpu_hits", "tier_on"]
+    off, gpu, on = cases["tier_off"], cases["gpu_hits"], cases["tier_on"]
+    assert off["kv_cache_blocks"] == on["kv_cache_blocks"] == 12 and off["num_prefixes"] == 6
+    assert gpu["kv_cache_blocks"] >= 6 * 4 + 12 and gpu["host_kv_hits"] == 0 and on["host_kv_blocks"] == 36
+    # The device-hit run finds every prefix after its first use; the tier gets most of them back.
+    assert gpu["prefix_hit_rate"] > on["prefix_hit_rate"] / 2 > off["prefix_hit_rate"] / 2
+    assert on["host_kv_hits"] > 0 and on["same_hits_vs_gpu_hits"] > on["same_hits_vs_tier_off"]
+    # Every block loaded back was checked, bit for bit, and none differed from what was spilled.
+    assert on["copies_checked"] * 16 == on["host_kv_hits"] and on["copies_differing"] == 0
+    # float32 on the CPU: the same tokens whichever run (the GPU's bf16 run is where they may differ).
+    assert on["same_tokens_vs_gpu_hits"] == on["same_tokens_vs_tier_off"] == 1.0
+    assert on["same_tokens_of_same_hits_vs_gpu_hits"] == 1.0 and gpu["same_tokens_vs_tier_off"] == 1.0
+    assert "copies_checked" not in gpu
+
+
+def test_bench_copy_check_catches_loads_in_the_wrong_blocks(tiny_model_dir, monkeypatch, capsys):
+    issue = KVSwapper.issue
+
+    def reversed_loads(self, copies):
+        # Each request's host blocks land in its device blocks in reverse order: a block id mix-up.
+        for request_id, pairs in copies.loads.items():
+            devices, hosts = zip(*pairs, strict=True)
+            copies.loads[request_id] = list(zip(devices, hosts[::-1], strict=True))
+        return issue(self, copies)
+
+    monkeypatch.setattr(KVSwapper, "issue", reversed_loads)
+    on = run_bench(tiny_model_dir, monkeypatch, capsys)["tier_on"]
+    # The tiny model's few greedy tokens may not even change: the bitwise check is the sharper one.
+    assert 0 < on["copies_differing"] <= on["copies_checked"]
