@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, TypeAlias
 
 from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 CLIENT_GONE = "499"  # the client closed the connection before the answer ended
-AnswerRenderer = CompletionRenderer | ChatRenderer
+AnswerRenderer: TypeAlias = CompletionRenderer | ChatRenderer
 
 
 class Generation:
@@ -93,7 +93,7 @@ class Generation:
     async def _events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""
         metrics, labels = self.metrics, (self.model, self.version)
-        itl, generated = metrics.itl.labels(*labels), metrics.generation_tokens.labels(*labels)
+        counts = metrics.stream_counts(*labels)
         status = "200"
         error: BaseException | None = None
         started = self.arrived
@@ -116,12 +116,9 @@ class Generation:
                                 "decode", context=trace.set_span_in_context(self.span)
                             )
                         previous = last_token_at.get(event.index)
-                        if previous is not None:
-                            gap = (now - previous) / count
-                            for _ in range(count):
-                                itl.observe(gap)
+                        # tokens that came together share the gap since the choice's previous ones
+                        counts.add(count, None if previous is None else (now - previous) / count)
                         last_token_at[event.index] = now
-                        generated.inc(count)
                     if event.finish_reason == "error":
                         raise EngineFailure(
                             f"the engine failed this request: {event.error or 'unknown error'}"

@@ -15,6 +15,8 @@ read those without any mapping.
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
@@ -23,6 +25,7 @@ from modelfleet.dataplane.server.model_manager import VersionSlot
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 LABELS = ("model", "version")
 VLLM_LABELS = ("model_name", "version")
@@ -141,6 +144,76 @@ _VLLM_ENGINE = (
 )
 
 
+class StreamCounts:
+    """One version's generated tokens and the gaps between them. Every streamed token lands here, so
+    it is counted without prometheus_client's per-sample lock and bucket search for each token and
+    each of the three histogram names: one call per engine output, on the event loop (the only
+    writer; a scrape reads the numbers as they are, as prometheus_client's own would)."""
+
+    __slots__ = ("buckets", "created", "gap_sum", "tokens")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(_LATENCY_BUCKETS) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.gap_sum = 0.0
+        self.tokens = 0
+        self.created = time.time()
+
+    def add(self, count: int, gap: float | None = None) -> None:
+        """`count` tokens generated; with `gap`, each of them came `gap` seconds after the one before."""
+        self.tokens += count
+        if gap is not None:
+            # bisect_left: the first bound >= gap, the bucket a Histogram counts it in (le is inclusive)
+            self.buckets[bisect_left(_LATENCY_BUCKETS, gap)] += count
+            for _ in range(count):  # as `count` observations sum: the same float, bit for bit
+                self.gap_sum += gap
+
+
+class _StreamCollector(Collector):
+    """StreamCounts of every version, as the families prometheus_client's Histogram and Counter would
+    export for them: the same names, help, labels, buckets and samples."""
+
+    _ITL_HELP = "Time between consecutive generated tokens."
+    # (name, labels): ours, vLLM's, and vLLM's older name for it, still read by many dashboards
+    _ITL = (
+        ("modelfleet_inter_token_latency_seconds", LABELS),
+        ("vllm:inter_token_latency_seconds", VLLM_LABELS),
+        ("vllm:time_per_output_token_seconds", VLLM_LABELS),
+    )
+    _TOKENS = (("modelfleet_generation_tokens", LABELS), ("vllm:generation_tokens", VLLM_LABELS))
+    _BOUNDS = [*(floatToGoString(b) for b in _LATENCY_BUCKETS), "+Inf"]
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], StreamCounts] = {}
+
+    def counts(self, model: str, version: str) -> StreamCounts:
+        counts = self._counts.get((model, version))
+        if counts is None:
+            counts = self._counts[(model, version)] = StreamCounts()
+        return counts
+
+    def collect(self) -> Iterator[Metric]:
+        versions = list(self._counts.items())
+        for name, label_names in self._ITL:
+            family = Metric(name, self._ITL_HELP, "histogram")
+            for values, counts in versions:
+                labels = dict(zip(label_names, values, strict=True))
+                total = 0
+                for bound, count in zip(self._BOUNDS, counts.buckets, strict=True):
+                    total += count
+                    family.add_sample(f"{name}_bucket", {**labels, "le": bound}, float(total))
+                family.add_sample(f"{name}_count", labels, float(total))
+                family.add_sample(f"{name}_sum", labels, counts.gap_sum)
+                family.add_sample(f"{name}_created", labels, counts.created)
+            yield family
+        for name, label_names in self._TOKENS:
+            family = Metric(name, "Tokens generated.", "counter")
+            for values, counts in versions:
+                labels = dict(zip(label_names, values, strict=True))
+                family.add_sample(f"{name}_total", labels, float(counts.tokens))
+                family.add_sample(f"{name}_created", labels, counts.created)
+            yield family
+
+
 _Metric = TypeVar("_Metric", Counter, Histogram)
 
 
@@ -186,14 +259,10 @@ class ServerMetrics:
             _LATENCY_BUCKETS,
             "vllm:time_to_first_token_seconds",
         )
-        self.itl = latency(
-            "inter_token_latency_seconds",
-            "Time between consecutive generated tokens.",
-            _LATENCY_BUCKETS,
-            "vllm:inter_token_latency_seconds",
-            # vLLM's older name for the same thing, still read by many dashboards
-            "vllm:time_per_output_token_seconds",
-        )
+        # Inter-token latency and generated tokens: counted once per engine output, exported as the
+        # histograms and counters of these names (stream_counts).
+        self._streams = _StreamCollector()
+        r.register(self._streams)
         self.e2e = latency(
             "e2e_request_latency_seconds",
             "Time from arrival to the last token.",
@@ -203,10 +272,6 @@ class ServerMetrics:
         self.prompt_tokens = _Both(
             Counter("modelfleet_prompt_tokens", "Prompt tokens processed.", LABELS, registry=r),
             Counter("vllm:prompt_tokens", "Prompt tokens processed.", VLLM_LABELS, registry=r),
-        )
-        self.generation_tokens = _Both(
-            Counter("modelfleet_generation_tokens", "Tokens generated.", LABELS, registry=r),
-            Counter("vllm:generation_tokens", "Tokens generated.", VLLM_LABELS, registry=r),
         )
         # Per request (all its prompts and choices), as vLLM's histograms of the same names.
         self.request_prompt_tokens = Histogram(
@@ -272,6 +337,10 @@ class ServerMetrics:
         )
         self._engines = _EngineCollector(engines)
         r.register(self._engines)
+
+    def stream_counts(self, model: str, version: str) -> StreamCounts:
+        """The version's generated tokens and inter-token gaps, to add each engine output to."""
+        return self._streams.counts(model, version)
 
     def count_admission(self, waiting: AdmissionWaiting) -> None:
         """Where the server's admission queues are, so that waiting counts the requests there too."""
