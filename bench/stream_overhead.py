@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,6 +110,23 @@ def serve(port: int, step_ms: float, per_output: bool, loop: str) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=loop)
 
 
+def start_profiler(path: str | None, pid: int) -> subprocess.Popen | None:
+    """py-spy sampling the server process (from outside it: it adds no work there) while the load runs;
+    its stacks, collapsed one per line, go to `path`."""
+    if not path:
+        return None
+    if shutil.which("py-spy") is None:
+        raise SystemExit("error: --profile needs py-spy on PATH (pip install py-spy)")
+    command = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "-o", path]
+    return subprocess.Popen([*command, "--nonblocking"], stdout=subprocess.DEVNULL)
+
+
+def stop_profiler(profiler: subprocess.Popen | None) -> None:
+    if profiler is not None:
+        profiler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        profiler.wait(timeout=60)
+
+
 def measure(args: argparse.Namespace, delivery: str) -> dict:
     """One server (with `delivery`), loaded by the client; the server's CPU time per token and the
     client's summary."""
@@ -134,9 +153,12 @@ def measure(args: argparse.Namespace, delivery: str) -> dict:
             async with http_session(args.max_concurrency) as session:
                 send = http_sender(session, url, "bench", args.output_len)
                 await run_load(send, prompts[:4], float("inf"), None, 0)  # warm-up
+                profiler = start_profiler(args.profile, server.pid)
                 before = sum(process.cpu_times()[:2])
                 results, duration = await run_load(send, prompts, float("inf"), args.max_concurrency, 0)
-                return results, duration, sum(process.cpu_times()[:2]) - before
+                cpu_s = sum(process.cpu_times()[:2]) - before
+                stop_profiler(profiler)
+                return results, duration, cpu_s
 
         results, duration, cpu_s = asyncio.run(load())
     finally:
@@ -171,12 +193,20 @@ def main() -> int:
         default="auto",
         help="the server's event loop (auto: uvloop when installed, as uvicorn picks in production)",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="py-spy's samples of the server process during the load, collapsed stacks (one run: "
+        "not with --delivery both)",
+    )
     parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_port:
         serve(args.serve_port, args.step_ms, per_output=args.delivery == "output", loop=args.loop)
         return 0
 
+    if args.profile and args.delivery == "both":
+        parser.error("--profile records one server: give --delivery step or output")
     runs = [measure(args, d) for d in (["output", "step"] if args.delivery == "both" else [args.delivery])]
     report = {
         "bench": "stream_overhead",
