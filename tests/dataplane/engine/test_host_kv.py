@@ -6,6 +6,7 @@ check of every copy, which a misplaced load fails."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from modelfleet.dataplane.engine.block_manager import BlockManager
@@ -243,3 +244,95 @@ def test_bench_copy_check_catches_loads_in_the_wrong_blocks(tiny_model_dir, monk
     on = run_bench(tiny_model_dir, monkeypatch, capsys)["tier_on"]
     # The tiny model's few greedy tokens may not even change: the bitwise check is the sharper one.
     assert 0 < on["copies_differing"] <= on["copies_checked"]
+
+
+class PendingEvent:
+    """A load's event that the first few polls find pending, like a copy still running on its stream."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def test_no_step_reads_and_no_copy_reuses_a_block_while_a_load_into_it_is_in_flight(
+    tiny_model_dir, monkeypatch
+):
+    """The ordering the CUDA streams rely on, checked in the engine's bookkeeping under shared-prefix
+    traffic with slow loads and aborts: a block loading is in no step's block tables, is not spilled or
+    loaded into again, and its host block is not overwritten by a spill, until its load is reported
+    done; in the end every block is free and no host block is pinned."""
+    from modelfleet.dataplane import LLM, SamplingParams
+
+    in_flight: dict[str, list[tuple[int, int]]] = {}  # loads issued and not yet reported done
+
+    def busy() -> tuple[set[int], set[int]]:
+        pairs = [pair for loads in in_flight.values() for pair in loads]
+        return {device for device, _ in pairs}, {host for _, host in pairs}
+
+    issue, poll = KVSwapper.issue, KVSwapper.poll
+
+    def slow_issue(self, copies):
+        devices, hosts = busy()
+        assert not {device for device, _ in copies.spills} & devices
+        assert not {host for _, host in copies.spills} & hosts
+        assert not {device for loads in copies.loads.values() for device, _ in loads} & devices
+        in_flight.update(copies.loads)
+        done = issue(self, copies)
+        if done:
+            self._in_flight.append((done, PendingEvent(2)))
+        return []
+
+    def tracking_poll(self):
+        done = poll(self)
+        for request_id in done:
+            del in_flight[request_id]
+        return done
+
+    monkeypatch.setattr(KVSwapper, "issue", slow_issue)
+    monkeypatch.setattr(KVSwapper, "poll", tracking_poll)
+    # 12 blocks of 16 tokens (8 KiB each in float32), a host pool of 8: spills reuse host blocks.
+    llm = LLM(
+        tiny_model_dir,
+        max_model_len=96,
+        max_num_seqs=3,
+        kv_cache_bytes=12 * 8192,
+        host_kv_cache_bytes=8 * 8192,
+        dtype="float32",
+        device="cpu",
+    )
+    engine = llm.engine
+    launch = engine.runner.launch
+    steps_during_loads = 0
+
+    def checked_launch(out):
+        nonlocal steps_during_loads
+        devices, _ = busy()
+        steps_during_loads += bool(devices)
+        for item in out.scheduled:
+            assert not set(item.seq.block_ids) & devices, item.seq.request_id
+        return launch(out)
+
+    monkeypatch.setattr(engine.runner, "launch", checked_launch)
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(16, 512) for _ in range(48)] for _ in range(6)]  # 18 blocks: 1.5x the cache
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    aborted = 0
+    for i in range(60):
+        prompt = rng.choice(prefixes) + [rng.randrange(16, 512) for _ in range(5)]
+        engine.add_request(str(i), prompt, params, stream=False)
+        if i % 7 == 6:  # one that may be loading now: its blocks must stay taken until the copies land
+            loading = [request_id for request_id in in_flight if int(request_id) < i]
+            if loading:
+                engine.abort(loading[0])
+                aborted += 1
+        for _ in range(2):
+            engine.step()
+    while engine.has_unfinished_requests() or engine.host_tier.swapper.busy:
+        engine.step()
+    stats = engine.stats()
+    assert stats.host_kv_hits > 0 and aborted > 0 and steps_during_loads > 0
+    assert not in_flight and stats.num_free_blocks == 12
+    assert not engine.host_tier.pool._pins
