@@ -10,6 +10,14 @@ block hash, reused least recently used first; a block that a load still reads is
 `KVSwapper` does the copies (torch): spills on the compute stream, so that they run before any later step
 overwrites the device block; loads on a stream of their own, each request's batch followed by an event
 that the engine polls, so that the batch never waits for them. On the CPU both are plain copies.
+
+Ordering on CUDA: a spill is queued on the compute stream after every step launched so far and before
+the step of its own schedule, so it reads the block's last keys and values before anyone overwrites
+them. The load stream first waits for the compute stream (the spills just queued, which may fill the
+host blocks it reads, and the launched steps, which may still touch the device blocks it writes). A
+loading request holds its device blocks and pins its host blocks until the engine is told the load is
+done, which happens only once its event has completed (the compute stream waits on it then); only after
+that do the blocks enter the prefix cache and so any block table, CUDA-graph replays included.
 """
 
 from __future__ import annotations
