@@ -1,7 +1,8 @@
 """The host KV tier's bookkeeping: the host pool's LRU, spills of evicted prefix blocks, loads back, and a
 scheduler that lets a loading request wait without holding up the batch. Plain Python, exact block ids.
-Last, bench/kv_tier.py's comparisons in small on the CPU: the tier against device prefix hits, and its
-check of every copy, which a misplaced load fails."""
+Then bench/kv_tier.py's comparisons in small (CPU, and CUDA where there is one): the tier against device
+prefix hits, and its check of every copy, which a misplaced load fails. Last, the ordering the CUDA
+streams rely on, as the engine's bookkeeping keeps it under shared-prefix traffic."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+import torch
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.host_kv import HostBlockPool, KVSwapper
 from modelfleet.dataplane.engine.scheduler import Scheduler
 from modelfleet.dataplane.engine.sequence import Sequence
 
 from tests.dataplane.engine.test_block_manager import BLOCK, admit, make_seq
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_host_pool_reuses_the_least_recently_used_unpinned_block():
@@ -198,33 +203,36 @@ def test_scheduler_runs_others_while_a_request_waits_for_its_copies():
 # Blocks of 16 tokens: a KV cache of 2 x 6 blocks, 6 prefixes of 4 blocks (twice the cache), a host pool
 # of 36 blocks, 24 requests of one prefix and 8 fresh tokens each.
 BENCH_ARGS = [
-    *("--device", "cpu", "--dtype", "float32", "--concurrency", "2", "--max-model-len", "96"),
+    *("--dtype", "float32", "--concurrency", "2", "--max-model-len", "96"),
     *("--prefix-len", "64", "--suffix-len", "8", "--output-len", "4", "--num-requests", "24"),
     "--check-copies",
 ]
 
 
-def run_bench(model_dir, monkeypatch, capsys) -> dict[str, dict]:
+def run_bench(model_dir, monkeypatch, capsys, device: str = "cpu") -> dict[str, dict]:
     monkeypatch.syspath_prepend(str(Path(__file__).parents[3] / "bench"))
     import kv_tier
 
-    assert kv_tier.main(["--model", str(model_dir), *BENCH_ARGS]) == 0
+    assert kv_tier.main(["--model", str(model_dir), "--device", device, *BENCH_ARGS]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     return {line["case"]: line for line in lines}
 
 
-def test_bench_compares_the_tier_with_device_hits_and_checks_every_copy(tiny_model_dir, monkeypatch, capsys):
-    cases = run_bench(tiny_model_dir, monkeypatch, capsys)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])])
+def test_bench_compares_the_tier_with_device_hits_and_checks_every_copy(device, request, monkeypatch, capsys):
+    """On CUDA: pinned host blocks, the load stream and its events, CUDA graphs for decodes."""
+    model_dir = request.getfixturevalue("tiny_llama_dir" if device == "cuda" else "tiny_model_dir")
+    cases = run_bench(model_dir, monkeypatch, capsys, device)
     assert list(cases) == ["tier_off", "gpu_hits", "tier_on"]
     off, gpu, on = cases["tier_off"], cases["gpu_hits"], cases["tier_on"]
     assert off["kv_cache_blocks"] == on["kv_cache_blocks"] == 12 and off["num_prefixes"] == 6
     assert gpu["kv_cache_blocks"] >= 6 * 4 + 12 and gpu["host_kv_hits"] == 0 and on["host_kv_blocks"] == 36
-    # The device-hit run finds every prefix after its first use; the tier gets most of them back.
-    assert gpu["prefix_hit_rate"] > on["prefix_hit_rate"] / 2 > off["prefix_hit_rate"] / 2
+    # The device-hit run finds every prefix after its first use; the tier gets them back from the host.
+    assert gpu["prefix_hit_rate"] >= on["prefix_hit_rate"] > off["prefix_hit_rate"]
     assert on["host_kv_hits"] > 0 and on["same_hits_vs_gpu_hits"] > on["same_hits_vs_tier_off"]
     # Every block loaded back was checked, bit for bit, and none differed from what was spilled.
     assert on["copies_checked"] * 16 == on["host_kv_hits"] and on["copies_differing"] == 0
-    # float32 on the CPU: the same tokens whichever run (the GPU's bf16 run is where they may differ).
+    # float32: the same tokens whichever run (bf16 on the GPU is where they may differ).
     assert on["same_tokens_vs_gpu_hits"] == on["same_tokens_vs_tier_off"] == 1.0
     assert on["same_tokens_of_same_hits_vs_gpu_hits"] == 1.0 and gpu["same_tokens_vs_tier_off"] == 1.0
     assert "copies_checked" not in gpu
