@@ -144,14 +144,12 @@ def test_quantized_gemv_refuses_a_missing_or_misplaced_scale():
         gemv(x, q, scale=torch.ones(8, dtype=torch.bfloat16))
 
 
-def test_one_byte_weights_take_wider_k_tiles_where_registers_allow():
-    from modelfleet.dataplane.kernels.gemv import TUNED, default_config
+def test_one_byte_weights_take_their_own_table_at_one_row():
+    from modelfleet.dataplane.kernels.gemv import TUNED, TUNED_ONE_BYTE, default_config
 
-    bf16 = default_config(1, 3072, 2048)
-    int8 = default_config(1, 3072, 2048, weight_bytes=1)
-    assert int8.block_k == 2 * bf16.block_k and int8.block_n == bf16.block_n
-    # a tuned tile already 4096 elements wide (28672 x 4096 at one row) stays as it is
-    assert default_config(1, 28672, 4096, weight_bytes=1) == TUNED[(28672, 4096, 1)]
+    assert default_config(1, 2048, 8192, weight_bytes=1) == TUNED_ONE_BYTE[(2048, 8192, 1)]
+    assert default_config(1, 2048, 8192) == TUNED[(2048, 8192, 1)] != TUNED_ONE_BYTE[(2048, 8192, 1)]
+    assert default_config(2, 2048, 8192, weight_bytes=1) == TUNED[(2048, 8192, 2)]
 
 
 @pytest.mark.gpu
