@@ -7,9 +7,9 @@ suffix, with greedy decoding of --output-len tokens (EOS ignored). The same requ
 one engine after the other in one process:
 
 - tier_off: the baseline, prefixes evicted from the KV cache are recomputed;
-- gpu_hits: the tier off, but a KV cache that holds every prefix (max_num_seqs raised; the closed loop
-  keeps --concurrency requests in flight, so batches stay as small): the requests hit their prefixes on
-  the device, as the tier-on run does after its copies, with no copy at all;
+- gpu_hits: the tier off, but a KV cache that holds every block the workload fills (max_num_seqs
+  raised; the closed loop keeps --concurrency requests in flight, so batches stay as small): every
+  prefix hits on the device after its first use, as in the tier-on run after its copies, with no copy;
 - tier_on: the first case's KV cache and a host pool of --host-factor times it.
 
 One JSON line per case: prefix-cache hit rate (prompt tokens found in the cache, host hits included once
@@ -231,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         for case in ("tier_off", "gpu_hits", "tier_on"):
             max_num_seqs, host_bytes, needed_blocks = args.concurrency, 0, 0
             if case == "gpu_hits":
-                # Every prefix, plus room for the requests in flight.
+                # Every block the workload fills stays cached (each prefix, each request's own suffix
+                # and output), with room for the requests in flight besides: nothing is evicted.
+                tail_blocks = -(-(args.suffix_len + args.output_len) // args.block_size)
                 needed_blocks = num_prefixes * (args.prefix_len // args.block_size)
-                needed_blocks += args.concurrency * blocks_per_seq
+                needed_blocks += len(prompts) * tail_blocks + args.concurrency * blocks_per_seq
                 max_num_seqs = -(-needed_blocks // blocks_per_seq)
             elif case == "tier_on":  # the baseline's KV cache, and a host pool sized from it
                 host_bytes = int(args.host_factor * num_blocks) * block_bytes
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             elif runner.num_blocks < needed_blocks:
                 raise SystemExit(
                     f"gpu_hits: the KV cache holds {runner.num_blocks} blocks, the prefixes need "
-                    f"{needed_blocks}: lower --prefix-ratio or --concurrency"
+                    f"{needed_blocks}: lower --prefix-ratio, --num-requests or --concurrency"
                 )
             check = None
             if args.check_copies and llm.engine.host_tier is not None:
