@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_prefixes, prompts = workload(args, num_blocks, llm.engine.vocab_size)
             elif runner.num_blocks < needed_blocks:
                 raise SystemExit(
-                    f"gpu_hits: the KV cache holds {runner.num_blocks} blocks, the prefixes need "
+                    f"gpu_hits: the KV cache holds {runner.num_blocks} blocks, the workload fills "
                     f"{needed_blocks}: lower --prefix-ratio, --num-requests or --concurrency"
                 )
             check = None
