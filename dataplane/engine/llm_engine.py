@@ -94,7 +94,8 @@ def _end_unscheduled(seq: Sequence, reason: str, error: str | None = None) -> No
 
 
 def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
-    return any(s.seq.has_penalties or s.seq.grammar is not None for s in scheduled.scheduled)
+    # Not a grammar: the sampler's masks follow a token still in flight themselves (engine/structured.py).
+    return any(s.seq.has_penalties for s in scheduled.scheduled)
 
 
 @dataclass
@@ -267,7 +268,7 @@ class LLMEngine(PromptChecks):
         token_ids, params = validated or self.validate(prompt, params)
         compiled = self._compile(params)
         # A grammar compiled already (or failed: ValueError, before anything is queued) is used now.
-        grammar = self._matcher(compiled) if compiled is not None and compiled.done() else None
+        grammar = self._matcher(compiled, params) if compiled is not None and compiled.done() else None
         seq = Sequence(
             request_id,
             token_ids,
@@ -300,8 +301,8 @@ class LLMEngine(PromptChecks):
         return self._grammars.compile(params.structured)
 
     @staticmethod
-    def _matcher(compiled: Future[Any]) -> Any:
-        return Grammars.matcher(compiled.result())
+    def _matcher(compiled: Future[Any], params: SamplingParams) -> Any:
+        return Grammars.matcher(compiled.result(), params)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready join the scheduler; one whose compile failed ends with its
@@ -314,7 +315,7 @@ class LLMEngine(PromptChecks):
                 continue
             del self._compiling[request_id]
             try:
-                seq.grammar = self._matcher(compiled)
+                seq.grammar = self._matcher(compiled, seq.params)
             except Exception as exc:  # ValueError from the compile; anything else fails this request only
                 _end_unscheduled(seq, "error", str(exc))
                 outputs.append(self._take_output(self._requests.pop(request_id)))
@@ -346,8 +347,7 @@ class LLMEngine(PromptChecks):
             self.host_tier.issue(self.block_manager)
         launched = None
         if scheduled is not None and self._launched is not None and _needs_host_tokens(scheduled):
-            # Penalties read the sequence's tokens on the host, a grammar must have followed them: the
-            # previous step's first.
+            # Penalties read the sequence's tokens on the host: the previous step's first.
             outputs += self._process(*self._launched)
             self._launched = None
             # Those tokens may have ended sequences (an end-of-sequence token, a stop string): their
@@ -388,8 +388,6 @@ class LLMEngine(PromptChecks):
             }
         requests = self._requests
         for seq in self.scheduler.update(scheduled, token_ids):
-            if seq.grammar is not None and seq.output_token_ids:
-                seq.grammar.accept_token(seq.output_token_ids[-1])
             state = requests[seq.request_id]
             if state.logprobs is not None:
                 state.logprobs.append((logprobs_by_id or {}).get(seq.request_id) or {})

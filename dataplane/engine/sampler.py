@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from modelfleet.dataplane.engine.sequence import Sequence
-from modelfleet.dataplane.engine.structured import apply_grammars
+from modelfleet.dataplane.engine.structured import GrammarMasks, fill_threads
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 # On the device, per row: the chosen token's log-probability, the top-N values and their ids.
@@ -44,6 +44,8 @@ class SampledBatch:
         self._params = params
         device_side = (torch.stack([token_ids, bad_rows.to(token_ids.dtype)]), *(logprobs or ()))
         self._has_logprobs = logprobs is not None
+        self._token_list: list[int] | None = None
+        self._bad_list: list[int] = []
         if token_ids.device.type == "cuda":
             self._host = tuple(_to_pinned_host(t) for t in device_side)
             self._ready = torch.cuda.Event()
@@ -51,12 +53,20 @@ class SampledBatch:
         else:
             self._host, self._ready = device_side, None
 
+    def host_token_ids(self) -> list[int]:
+        """The sampled ids on the host; waits for this step alone, not for the steps queued after it."""
+        if self._token_list is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._token_list, self._bad_list = self._host[0].tolist()
+        return self._token_list
+
     def result(self) -> SamplerOutput:
-        if self._ready is not None:
-            self._ready.synchronize()
-        packed, *logprobs = self._host
-        token_list, bad_list = packed.tolist()
-        errors: list[str | None] = ["the model produced NaN logits" if bad else None for bad in bad_list]
+        token_list = self.host_token_ids()
+        logprobs = self._host[1:]
+        errors: list[str | None] = [
+            "the model produced NaN logits" if bad else None for bad in self._bad_list
+        ]
         logprob_dicts: list[dict[int, float] | None] = [None] * len(token_list)
         if self._has_logprobs:
             chosen, top_values, top_ids = logprobs
@@ -83,14 +93,23 @@ class Sampler:
             fused = device.type == "cuda" and triton_usable()
         self.fused = fused
         self._seeds = np.random.default_rng(seed)
+        self._grammar_masks: GrammarMasks | None = None  # made with the first constrained row
+        self._fill_threads = fill_threads()
+        # The latest batch: a grammar reads from it the token its row sampled there, if still in flight.
+        self._previous: SampledBatch | None = None
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         """Queues the sampling of one token per row (no wait on the device). logits: [N, vocab], any
         float dtype (the torch path computes in float32)."""
         params = [s.params for s in seqs]
-        if self.fused and all(s.temperature_only for s in seqs):
-            return self._sample_fused(logits, seqs, params)
+        constrained = any(s.grammar is not None for s in seqs)
+        # A constrained row whose sampling needs only a temperature is one for the fused sampler once masked.
+        if self.fused and all(s.temperature_only or _masked_temperature_only(s) for s in seqs):
+            if constrained:
+                logits = self._apply_grammars(logits, seqs)
+            self._previous = self._sample_fused(logits, seqs, params)
+            return self._previous
         logits = logits.float()
         # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
         # Whether any row is bad is read back together with the tokens: one transfer per step.
@@ -105,15 +124,21 @@ class Sampler:
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
-        if any(s.grammar is not None for s in seqs):
-            logits = apply_grammars(logits, seqs)
+        if constrained:
+            logits = self._apply_grammars(logits, seqs)
 
         greedy = [p.greedy for p in params]
         token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
         logprobs = None
         if num_logprobs is not None:
             logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
-        return SampledBatch(token_ids, bad_rows, logprobs, params)
+        self._previous = SampledBatch(token_ids, bad_rows, logprobs, params)
+        return self._previous
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if self._grammar_masks is None:
+            self._grammar_masks = GrammarMasks(self._fill_threads)
+        return self._grammar_masks.apply(logits, seqs, self._previous)
 
     def _sample_fused(
         self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
@@ -164,6 +189,10 @@ class Sampler:
             greedy_mask = torch.tensor(greedy).to(device, non_blocking=True)
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled
+
+
+def _masked_temperature_only(seq: Sequence) -> bool:
+    return seq.grammar is not None and seq.grammar.temperature_only
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

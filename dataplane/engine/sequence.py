@@ -81,7 +81,7 @@ class Sequence:
         # The sampler's random generator for a request with a seed (opaque here: no torch in this module).
         self.generator: object | None = None
         # Structured output: the grammar matcher that masks this sequence's logits (engine/structured.py).
-        self.grammar: Any = None  # an xgrammar.GrammarMatcher (not imported here)
+        self.grammar: Any = None  # a structured.SequenceGrammar (xgrammar is not imported here)
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,7 @@
 """Structured output: a request's JSON schema (or "any JSON object") compiled by xgrammar into a grammar
 whose matcher, one per sequence, masks the logits of every step to the tokens that keep the output
-valid. The matcher follows the sampled tokens (LLMEngine._process), so a constrained sequence's next
-step waits for its previous token (as penalties do); once the JSON is complete only end-of-sequence
-tokens remain allowed.
+valid. The matcher follows the sampled tokens just before it masks (below), so constrained sequences
+keep the engine's overlap; once the JSON is complete only end-of-sequence tokens remain allowed.
 
 Where the work happens:
 - `check_structured`, on the caller's side (PromptChecks.validate): the schema is parsed into a grammar
@@ -10,15 +9,28 @@ Where the work happens:
 - `Grammars.compile`, on a worker thread: the grammar's token masks over the whole vocabulary (the
   slow part) are built there, once per schema (cached), while the engine thread keeps stepping the
   other requests; a request joins the scheduler once its grammar is ready.
+- `GrammarMasks.apply`, in the sampler, once per step for all constrained rows: each matcher first
+  accepts the tokens sampled since it last masked (the previous step's token is read back from that
+  step alone, so the engine keeps launching a step before reading the one before: the forward of step
+  n+1 runs on the device while the host waits for step n's tokens and fills n+1's masks); then one
+  batched fill of a reused bitmask, one copy of it to the device and one masking kernel.
 
 xgrammar is imported on first use: an engine that never sees a constrained request never loads it."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from modelfleet.dataplane.engine.sampler import SampledBatch
+    from modelfleet.dataplane.engine.sequence import Sequence
+    from modelfleet.dataplane.sampling_params import SamplingParams
 
 KINDS = ("json_object", "json_schema")
 # json_object is OpenAI's "any JSON object" (not an array or a bare value).
@@ -91,11 +103,11 @@ class Grammars:
             raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
 
     @staticmethod
-    def matcher(compiled: Any) -> Any:
+    def matcher(compiled: Any, params: SamplingParams) -> SequenceGrammar:
         """A fresh matcher for one sequence, from a compiled grammar (cheap: on the engine thread)."""
         import xgrammar
 
-        return xgrammar.GrammarMatcher(compiled)
+        return SequenceGrammar(xgrammar.GrammarMatcher(compiled), params)
 
     def _make_compiler(self) -> Any:
         if self.tokenizer is None:
@@ -111,17 +123,121 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_grammars(logits: Any, seqs: list) -> Any:
-    """Masks, in place, each constrained row's logits to what its grammar allows next."""
-    import xgrammar
+class SequenceGrammar:
+    """One sequence's matcher and how many of its output tokens it has accepted (it follows the tokens
+    when its sequence next samples, so tokens still in flight need no wait before that)."""
 
-    # A terminated matcher (it has accepted its end) has no next token to allow; its sequence is ending.
-    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and not seq.grammar.is_terminated()]
-    if not rows:
+    __slots__ = ("matcher", "num_accepted", "temperature_only")
+
+    def __init__(self, matcher: Any, params: SamplingParams) -> None:
+        self.matcher = matcher
+        self.num_accepted = 0
+        # Sampling needs nothing but a temperature once the mask is applied: the fused sampler's rows.
+        self.temperature_only = dataclasses.replace(params, structured=None).temperature_only
+
+
+# Rows of bitmask kept for reuse, at least; the buffers grow with the batch.
+MIN_ROWS = 64
+# Threads filling one step's bitmask rows: xgrammar's "auto" (half the cores) unless set to a number.
+FILL_THREADS_ENV = "MODELFLEET_GRAMMAR_THREADS"
+
+
+def fill_threads() -> int | str:
+    """The environment's thread count for GrammarMasks; read when a sampler is made, so that a bad value
+    stops the engine at its start rather than failing a batch."""
+    value = os.environ.get(FILL_THREADS_ENV, "auto").strip()
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{FILL_THREADS_ENV}: {value!r} must be 'auto' or a number of threads >= 1")
+    return int(value)
+
+
+class GrammarMasks:
+    """A sampler's grammar work for each step, for all its constrained rows at once (see the module's
+    docstring). The bitmask lives in one host buffer (pinned for a device) reused every step, and its
+    device copy in one device buffer; an event guards the host buffer until its copy has run."""
+
+    def __init__(self, threads: int | str = "auto") -> None:
+        xgrammar = _xgrammar()
+        self._xgrammar = xgrammar
+        # xgrammar's pool, which fills the rows of one step in parallel (threads: see fill_threads).
+        self._filler = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        self._host: torch.Tensor | None = None
+        self._device: torch.Tensor | None = None
+        self._copied: Any = None  # a CUDA event once a copy was queued
+
+    def apply(
+        self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledBatch | None
+    ) -> torch.Tensor:
+        """Masks, in place, each constrained row's logits to what its grammar allows next. `previous`:
+        the sampler's batch before this one, which holds any token still in flight of these rows."""
+        # A terminated matcher (it has accepted its end) has no next token to allow; its sequence is
+        # ending, and this row's token is dropped.
+        live = [(i, m) for i, m in _follow_tokens(seqs, previous) if not m.is_terminated()]
+        if not live:
+            return logits
+        rows = [i for i, _ in live]
+        num_rows, vocab = logits.shape
+        host = self._host_buffer(num_rows, vocab, logits.device)
+        self._filler.batch_fill_next_token_bitmask([m for _, m in live], host, indices=rows)
+        logits = logits.contiguous()
+        bitmask = host[:num_rows]
+        if logits.device.type != "cpu":
+            assert self._device is not None  # made with the pinned host buffer
+            bitmask = self._device[:num_rows].copy_(bitmask, non_blocking=True)
+            self._copied.record()
+        # Every row constrained (the usual batch of one schema): no indices to send along.
+        indices = None if len(rows) == num_rows else rows
+        self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
         return logits
-    bitmask = xgrammar.allocate_token_bitmask(len(seqs), logits.shape[-1])
-    for i in rows:
-        seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-    logits = logits.contiguous()
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-    return logits
+
+    def _host_buffer(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+        """The host bitmask, free to fill: the copy queued from it last has run."""
+        import torch
+
+        host = self._host
+        words = self._xgrammar.get_bitmask_shape(1, vocab)[1]
+        if host is None or host.shape[0] < num_rows or host.shape[1] != words:
+            rows = max(MIN_ROWS, num_rows)
+            on_device = device.type != "cpu"
+            if self._copied is not None:
+                self._copied.synchronize()  # the old buffer may still be read by its copy
+            host = torch.empty((rows, words), dtype=torch.int32, pin_memory=on_device)
+            self._host = host
+            if on_device:
+                self._device = torch.empty((rows, words), dtype=torch.int32, device=device)
+                self._copied = torch.cuda.Event()
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return host
+
+
+def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, Any]]:
+    """Brings each constrained row's matcher up to the token it samples now; (row, matcher) pairs.
+    A row's tokens before this step are on the host but the last, which may still be in flight (a row
+    counts this step's token in flight too): it is read from `previous` at the row's sample_row."""
+    matchers = []
+    inflight: list[int] | None = None
+    for i, seq in enumerate(seqs):
+        grammar = seq.grammar
+        if grammar is None:
+            continue
+        matcher = grammar.matcher
+        matchers.append((i, matcher))
+        known = seq.output_token_ids
+        target = len(known) + seq.num_inflight - 1
+        # One accept_token per token: faster here than BatchGrammarMatcher.batch_accept_token, whose
+        # per-call overhead outweighs one token per row. A rejected token (a failed row's) is ignored:
+        # that row's request ends with its error.
+        while grammar.num_accepted < min(target, len(known)):
+            matcher.accept_token(known[grammar.num_accepted])
+            grammar.num_accepted += 1
+        if grammar.num_accepted < target:
+            if previous is None:
+                raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
+            if inflight is None:
+                inflight = previous.host_token_ids()
+            matcher.accept_token(inflight[seq.sample_row])
+            grammar.num_accepted += 1
+    return matchers

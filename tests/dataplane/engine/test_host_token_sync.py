@@ -1,7 +1,8 @@
-"""A request whose next step needs its previous token on the host (penalties, a grammar) makes the engine
-process that token before launching: when the token ends the request (end of sequence), the request
-must leave the step being launched, whose blocks it no longer has (alone in the step, the launch fails
-on its empty block table; beside others, it would write into block 0, which it does not own)."""
+"""A request whose next step needs its previous token on the host (penalties; a grammar's mask follows a
+token in flight itself, engine/structured.py) makes the engine process that token before launching:
+when the token ends the request (end of sequence), the request must leave the step being launched,
+whose blocks it no longer has (alone in the step, the launch fails on its empty block table; beside
+others, it would write into block 0, which it does not own)."""
 
 from __future__ import annotations
 

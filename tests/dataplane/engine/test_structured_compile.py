@@ -176,7 +176,7 @@ def test_ignore_eos_is_refused_with_a_grammar(llm):
 def test_a_terminated_grammar_masks_nothing(llm):
     """A matcher that has accepted its end is left alone by the sampler's mask (it would raise)."""
     import torch
-    from modelfleet.dataplane.engine.structured import apply_grammars
+    from modelfleet.dataplane.engine.structured import GrammarMasks
 
     class Done:
         def is_terminated(self) -> bool:
@@ -185,8 +185,11 @@ def test_a_terminated_grammar_masks_nothing(llm):
         def fill_next_token_bitmask(self, bitmask, index) -> None:
             raise AssertionError("a terminated matcher was asked for a mask")
 
+    class Grammar:
+        matcher, num_accepted = Done(), 0
+
     class Seq:
-        grammar = Done()
+        grammar, output_token_ids, num_inflight = Grammar(), [], 1
 
     logits = torch.zeros(1, 32)
-    assert torch.equal(apply_grammars(logits, [Seq()]), torch.zeros(1, 32))
+    assert torch.equal(GrammarMasks().apply(logits, [Seq()], None), torch.zeros(1, 32))

@@ -1,0 +1,125 @@
+"""The sampler's grammar masks follow each row's tokens themselves, a token still in flight included, so
+constrained requests keep the engine's overlap (step n+1 launched before step n's tokens are read)
+without changing a token: every output token is one its grammar allowed at that point, and the tokens
+equal those of the same batch run with each step's tokens read before the next is launched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import xgrammar
+from modelfleet.dataplane import LLM, SamplingParams
+from modelfleet.dataplane.engine import llm_engine
+from modelfleet.dataplane.engine.structured import GrammarMasks
+
+from .test_overlap import record_launches
+
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "items": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 2},
+            "n": {"type": "integer"},
+        },
+        "required": ["items", "n"],
+    }
+)
+
+
+@pytest.fixture
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cpu")
+
+
+def batch() -> tuple[list[str], list[SamplingParams]]:
+    structured = ("json_schema", SCHEMA)
+    prompts = ["one", "two two", "three three three", "four"]
+    params = [
+        SamplingParams(max_tokens=48, temperature=0.0, structured=structured),
+        SamplingParams(max_tokens=48, temperature=0.9, seed=7, structured=structured),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=48, temperature=0.0, structured=("json_object", "")),
+    ]
+    return prompts, params
+
+
+def allowed_throughout(llm: LLM, structured: tuple[str, str], token_ids: list[int]) -> bool:
+    """Whether a fresh matcher accepts every token in order (each was allowed where it was sampled)."""
+    engine = llm.engine
+    grammar = engine._grammars.compile(structured).result()
+    matcher = xgrammar.GrammarMatcher(grammar)
+    return all(matcher.accept_token(t) for t in token_ids)
+
+
+def check_overlap_and_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts, params = batch()
+    events = record_launches(llm)
+    overlapped = llm.generate(prompts, params)
+    results = [e[1] for e in events if e[0] == "result"]
+    assert len(results) > 10
+    # Every step's tokens but the last are read after the next step was launched.
+    for n in results[:-1]:
+        position = events.index(("result", n))
+        assert sum(1 for e in events[:position] if e[0] == "launch") == n + 2
+
+    for out, p in zip(overlapped, params, strict=True):
+        if p.structured is None:
+            assert len(out.token_ids) == 20
+            continue
+        assert allowed_throughout(llm, p.structured, out.token_ids)
+        if out.finish_reason == "stop":
+            json.loads(out.text)  # a complete answer is valid JSON
+
+    # The same batch with each step's tokens on the host before the next launch: the same tokens.
+    monkeypatch.setattr(llm_engine, "_needs_host_tokens", lambda scheduled: True)
+    synced = llm.generate(prompts, params)
+    assert [o.token_ids for o in synced] == [o.token_ids for o in overlapped]
+
+
+def test_constrained_rows_keep_the_overlap_and_their_tokens(llm, monkeypatch):
+    check_overlap_and_tokens(llm, monkeypatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_constrained_rows_are_masked_then_fused(tiny_model_dir, monkeypatch):
+    """On a GPU a constrained row that needs only a temperature is masked, then sampled by the fused
+    kernel (greedy and seeded rows here), with the bitmask copied from a pinned buffer."""
+    llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cuda")
+    sampler = llm.engine.runner.sampler
+    assert sampler.fused, "Triton is expected wherever a CUDA GPU is"
+    fused_rows: list[int] = []
+    sample_fused = sampler._sample_fused
+
+    def counted(logits, seqs, params):
+        fused_rows.extend(1 for s in seqs if s.grammar is not None)
+        return sample_fused(logits, seqs, params)
+
+    monkeypatch.setattr(sampler, "_sample_fused", counted)
+    check_overlap_and_tokens(llm, monkeypatch)
+    assert fused_rows
+    assert sampler._grammar_masks._host.is_pinned()
+
+
+def test_a_token_in_flight_without_its_batch_is_an_error():
+    class Grammar:
+        matcher, num_accepted = object(), 0
+
+    class Seq:
+        request_id, grammar, output_token_ids, num_inflight, sample_row = "r", Grammar(), [], 2, 0
+
+    with pytest.raises(RuntimeError, match="r: a token in flight but no sampled batch holds it"):
+        GrammarMasks().apply(torch.zeros(1, 32), [Seq()], None)
+
+
+def test_the_fill_threads_come_from_the_environment(monkeypatch):
+    from modelfleet.dataplane.engine.structured import FILL_THREADS_ENV, fill_threads
+
+    assert fill_threads() == "auto"
+    monkeypatch.setenv(FILL_THREADS_ENV, "3")
+    assert fill_threads() == 3
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv(FILL_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=f"^{FILL_THREADS_ENV}: '{bad}' must be 'auto'"):
+            fill_threads()
