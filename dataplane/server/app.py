@@ -10,7 +10,7 @@ import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
@@ -133,7 +133,7 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
         if answer is None:  # nobody is listening any more; the request was aborted
             return Response(status_code=499)
         return JSONResponse(answer.model_dump(mode="json"), headers=headers)
-    chunks = generation.chunks()
+    chunks = generation.chunk_jsons()
     try:
         # Wait for the first token before sending headers: a request the engine refuses is still a 4xx.
         first = await anext(chunks, None)
@@ -143,12 +143,12 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
     return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
 
 
-async def _sse(first: Any, chunks: AsyncGenerator[Any, None]) -> AsyncIterator[str]:
+async def _sse(first: str | None, chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
     try:
         if first is not None:
-            yield f"data: {first.model_dump_json()}\n\n"
+            yield f"data: {first}\n\n"
         async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
+            yield f"data: {chunk}\n\n"
     except ServerError as exc:  # failed mid-stream: the status line is gone, so say it in the stream
         yield f"data: {json.dumps(exc.body())}\n\n"
     finally:

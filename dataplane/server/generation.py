@@ -74,21 +74,31 @@ class Generation:
                 self.renderer.add(event)
         return self.renderer.response(self.engine.tokenizer)
 
-    async def chunks(self) -> AsyncGenerator[Any, None]:
+    def chunks(self) -> AsyncGenerator[Any, None]:
         """Streaming chunks. Usage comes only as OpenAI sends it: a last chunk with no choices, when the
         client asked with `stream_options.include_usage`."""
-        tokenizer = self.engine.tokenizer
+        return self._chunks(encoded=False)
+
+    def chunk_jsons(self) -> AsyncGenerator[str, None]:
+        """The same chunks as JSON text, as SSE sends them; a token's chunk is encoded without a model
+        (Renderer.chunk_json)."""
+        return self._chunks(encoded=True)
+
+    async def _chunks(self, *, encoded: bool) -> AsyncGenerator[Any, None]:
+        renderer, tokenizer = self.renderer, self.engine.tokenizer
+        render = renderer.chunk_json if encoded else renderer.chunk
         opened = False
         async with contextlib.aclosing(self._events()) as events:
             async for event in events:
                 if not opened:  # opening chunks wait for the first token, so a refusal is still an HTTP error
                     opened = True
-                    for chunk in self.renderer.opening_chunks():
-                        yield chunk
-                self.renderer.add(event)
-                yield self.renderer.chunk(event, tokenizer)
+                    for chunk in renderer.opening_chunks():
+                        yield chunk.model_dump_json() if encoded else chunk
+                renderer.add(event)
+                yield render(event, tokenizer)
         if self.include_usage:
-            yield self.renderer.usage_chunk()
+            usage = renderer.usage_chunk()
+            yield usage.model_dump_json() if encoded else usage
 
     async def _events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""

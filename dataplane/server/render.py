@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 from typing import Any
 
 from modelfleet.dataplane.server.engine_io import ChoiceEvent
@@ -34,6 +36,7 @@ from modelfleet.dataplane.server.protocol import (
     new_id,
 )
 from modelfleet.dataplane.server.tools import ToolCall, ToolStream, parse_forced, parse_tool_calls
+from pydantic import BaseModel
 
 
 @dataclass
@@ -43,6 +46,36 @@ class _Choice:
     finish_reason: str | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+class ChunkTemplate:
+    """A stream chunk's JSON with its text and finish reason left open, so that a token's chunk is a
+    few string joins instead of a pydantic model built and dumped. The fixed parts are pydantic's own
+    dump of the chunk (with markers where the two go); the text is escaped by the json module's C
+    escaper, which writes what pydantic writes for every character (a test holds them equal)."""
+
+    __slots__ = ("head", "middle", "tail")
+
+    def __init__(self, head: str, middle: str, tail: str) -> None:
+        self.head, self.middle, self.tail = head, middle, tail
+
+    @classmethod
+    def of(cls, build: Any) -> ChunkTemplate | None:
+        """The template of the chunks `build(text, finish_reason)` gives; None where it gives None."""
+        text, reason = f'"text-{uuid.uuid4().hex}"', f'"reason-{uuid.uuid4().hex}"'  # as JSON strings
+        chunk: BaseModel | None = build(text[1:-1], reason[1:-1])
+        if chunk is None:
+            return None
+        dump = chunk.model_dump_json()
+        head, _, rest = dump.partition(text)
+        middle, _, tail = rest.partition(reason)
+        if dump.count(text) != 1 or rest.count(reason) != 1:
+            raise AssertionError(f"the chunk's JSON has its text and finish reason once each: {dump}")
+        return cls(head, middle, tail)
+
+    def fill(self, text: str, finish_reason: str | None) -> str:
+        reason = "null" if finish_reason is None else encode_basestring(finish_reason)
+        return f"{self.head}{encode_basestring(text)}{self.middle}{reason}{self.tail}"
 
 
 class Renderer:
@@ -56,6 +89,26 @@ class Renderer:
         self.created = int(time.time())
         self.choices: dict[int, _Choice] = {}
         self.num_prompt_tokens = 0
+        self._templates: dict[int, ChunkTemplate | None] = {}  # per choice index, built at its first chunk
+
+    def chunk(self, event: ChoiceEvent, tokenizer: Any) -> BaseModel:
+        raise NotImplementedError
+
+    def _plain_chunk(self, index: int, text: str, finish_reason: str | None) -> BaseModel | None:
+        """The chunk of `text` alone (no logprobs, no tool calls), or None where this request's chunks
+        carry more than that."""
+        raise NotImplementedError
+
+    def chunk_json(self, event: ChoiceEvent, tokenizer: Any) -> str:
+        """`chunk(event, tokenizer)` as JSON, the same text as its `model_dump_json()`: from a template
+        where this request's chunks carry only text."""
+        templates, index = self._templates, event.index
+        if index not in templates:
+            templates[index] = ChunkTemplate.of(lambda text, reason: self._plain_chunk(index, text, reason))
+        template = templates[index]
+        if template is None:
+            return self.chunk(event, tokenizer).model_dump_json()
+        return template.fill(event.new_text, event.finish_reason)
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
         raise NotImplementedError
@@ -216,6 +269,16 @@ class CompletionRenderer(Renderer):
             ],
         )
 
+    def _plain_chunk(self, index: int, text: str, finish_reason: str | None) -> CompletionChunk | None:
+        if self.request.logprobs is not None:
+            return None
+        return CompletionChunk(
+            id=self.response_id,
+            created=self.created,
+            model=self.request.model,
+            choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason)],
+        )
+
     def usage_chunk(self) -> CompletionChunk:
         return CompletionChunk(
             id=self.response_id,
@@ -328,6 +391,18 @@ class ChatRenderer(Renderer):
                 ChatChunkChoice(
                     index=event.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
                 )
+            ],
+        )
+
+    def _plain_chunk(self, index: int, text: str, finish_reason: str | None) -> ChatCompletionChunk | None:
+        if self.request.logprobs or self.tool_names:
+            return None
+        return ChatCompletionChunk(
+            id=self.response_id,
+            created=self.created,
+            model=self.request.model,
+            choices=[
+                ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=finish_reason)
             ],
         )
 
