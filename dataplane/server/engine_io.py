@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,12 +19,12 @@ from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server.errors import BadRequest
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one is built per streamed output, and a frozen one costs 2.5x
 class ChoiceEvent:
     index: int
     new_text: str = ""
-    new_token_ids: tuple[int, ...] = ()
-    logprobs: tuple[dict[int, float], ...] | None = None  # one per new token
+    new_token_ids: Sequence[int] = ()
+    logprobs: Sequence[dict[int, float]] | None = None  # one per new token
     finish_reason: str | None = None
     error: str | None = None
 
@@ -58,14 +58,15 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
 
 
 def _event(index: int, output: RequestOutput) -> ChoiceEvent:
-    # A delta output (the server asks for them): its logprobs are the new tokens' alone.
+    # A delta output (the server asks for them): its logprobs are the new tokens' alone. Its lists are
+    # the event's own (nothing else reads the output), so they are not copied.
     return ChoiceEvent(
-        index=index,
-        new_text=output.new_text or "",
-        new_token_ids=tuple(output.new_token_ids or ()),
-        logprobs=tuple(output.logprobs) if output.logprobs is not None else None,
-        finish_reason=output.finish_reason if output.finished else None,
-        error=output.error,
+        index,
+        output.new_text or "",
+        output.new_token_ids or (),
+        output.logprobs,
+        output.finish_reason if output.finished else None,
+        output.error,
     )
 
 
