@@ -17,8 +17,10 @@ and after run alternately, three times each): a plain step 3.10-3.35 ms; a const
 before (engine at 6ac2a46: per-row fills, matchers advanced in LLMEngine._process, a step's previous
 tokens read before the launch) with 0.46-0.49 ms in the structured parts, and 3.74-4.40 ms after with
 0.44-0.51 ms. The host time is the same: xgrammar's fill itself (about 0.24 ms for 64 rows here) is
-most of it, the matchers' accept_token about 0.14 ms and the CPU masking about 0.11 ms. What changed is
-where it runs on a GPU: while the device computes the step's forward, not between steps.
+most of it, the matchers' accept_token about 0.14 ms and the CPU masking about 0.11 ms. What changed
+shows on a GPU only: before, the device sat idle while the host processed a step's tokens before the
+next launch, and the bitmask's blocking copy waited for the forward; now the host does all of it while
+the device computes the next forward.
 """
 
 from __future__ import annotations
