@@ -65,16 +65,17 @@ def _row_dot(
 
 @triton.jit
 def _byte_to_f32(words, j: tl.constexpr, FP8: tl.constexpr):
-    """Byte j of each uint32 word as float32, without a conversion instruction: those issue at a quarter
+    """Byte j of each int32 word as float32, without a conversion instruction: those issue at a quarter
     of the ALU rate and bound a GEMV that streams 1-byte weights at full memory bandwidth.
     int8: the byte, offset to 0..255, becomes the low mantissa bits of 2**23 (the 2**23 + 128 comes off
-    again). float8 e4m3: its sign, exponent and mantissa bits move to their float32 places, which reads
+    again). float8 e4m3: the byte moved to the top of the word and shifted back 4 places with its sign
+    repeated puts exponent and mantissa in their float32 places; the mask keeps one sign bit. That reads
     as the value times 2**-120 (exponent bias 127 against 7; subnormals land on float32 subnormals), so
     one multiply by 2**120 restores it exactly."""
     if FP8:
-        sign = (words << (24 - 8 * j)) & 0x80000000
-        magnitude = ((words >> 4) if j == 3 else (words << (20 - 8 * j))) & 0x07F00000
-        return (sign | magnitude).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+        top = words if j == 3 else words << (24 - 8 * j)
+        bits = (top >> 4) & -2014314496  # 0x87F00000 as int32: the sign, 4 exponent and 3 mantissa bits
+        return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
     byte = (words >> (8 * j)) & 0xFF
     return (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
 
@@ -212,15 +213,14 @@ def _gemv_kernel(
             w_next = tl.load(
                 w_rows + ahead[None, :], mask=ahead[None, :] < w_end, other=0.0, eviction_policy="evict_first"
             )
-        if PACKED:  # byte j of word c is weight column 4c + j
-            words = w.to(tl.uint32, bitcast=True)
+        if PACKED:  # byte j of int32 word c is weight column 4c + j
             for j in tl.static_range(4):
                 acc0, acc1, acc2, acc3 = _rows_dot(
                     acc0,
                     acc1,
                     acc2,
                     acc3,
-                    _byte_to_f32(words, j, FP8),
+                    _byte_to_f32(w, j, FP8),
                     x_rows,
                     stride_xm,
                     cols * 4 + j,
