@@ -166,7 +166,7 @@ def _gemv_kernel(
     PACKED: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    # PACKED: w_ptr is the 1-byte weight seen as uint32 words, 4 weights each; a tile is BLOCK_K // 4 words
+    # PACKED: w_ptr is the 1-byte weight seen as int32 words, 4 weights each; a tile is BLOCK_K // 4 words
     PACK: tl.constexpr = 4 if PACKED else 1
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
