@@ -33,29 +33,32 @@ from throughput import write_word_tokenizer
 VOCAB = 1000
 
 
+def _limits():
+    from modelfleet.dataplane.engine.protocol import EngineLimits
+
+    return EngineLimits(max_num_seqs=1024, max_model_len=4096, vocab_size=VOCAB)
+
+
 def stand_in_engine(folder: str, step_s: float, per_output: bool = False):
     from modelfleet.dataplane.engine.messages import Add
-    from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
-    from modelfleet.dataplane.engine.protocol import EngineLimits
     from modelfleet.dataplane.engine.threaded import ThreadedEngine
     from transformers import AutoTokenizer
 
     class StandInEngine(ThreadedEngine):
         """Each running request gets one token (" t<n>") per step; no model."""
 
-        limits = EngineLimits(max_num_seqs=1024, max_model_len=4096, vocab_size=VOCAB)
+        limits = _limits()
 
         def __init__(self) -> None:
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            self._running: dict[str, tuple[list[int], int, list[int]]] = {}
-            self._lock = threading.Lock()
+            self._running: dict[str, tuple[int, int]] = {}
             self._start("stand-in-engine")
 
         def validate(self, prompt, params):
             return list(prompt), params
 
-        def stats(self) -> EngineStats:
-            return EngineStats(len(self._running), 0, 0.0, 0.0, 1, 1)
+        def stats(self):
+            return _stats(self._running)
 
         def _run(self) -> None:
             while not self._closed:
@@ -63,25 +66,10 @@ def stand_in_engine(folder: str, step_s: float, per_output: bool = False):
                 while self._commands:
                     command = self._commands.popleft()
                     if isinstance(command, Add):
-                        (ids, params) = command.validated
-                        self._running[command.request_id] = (ids, params.max_tokens, [])
+                        self._running[command.request_id] = (command.validated[1].max_tokens, 0)
                     else:
                         self._running.pop(command.request_id, None)
-                step = []
-                for request_id, (ids, max_tokens, out) in list(self._running.items()):
-                    token = len(out) + 1
-                    out.append(token)
-                    finished = len(out) == max_tokens
-                    step.append((
-                        request_id,
-                        RequestOutput(
-                            request_id, ids, text="", token_ids=list(out), new_text=f" t{token}",
-                            new_token_ids=[token], finish_reason="length" if finished else None,
-                            finished=finished,
-                        ),
-                    ))  # fmt: skip
-                    if finished:
-                        del self._running[request_id]
+                step = [(output.request_id, output) for output in _step_outputs(self._running)]
                 if per_output:  # the baseline: one wake-up of the event loop per stream and step
                     for request_id, output in step:
                         self._deliver(request_id, output)
@@ -92,7 +80,94 @@ def stand_in_engine(folder: str, step_s: float, per_output: bool = False):
     return StandInEngine()
 
 
-def serve(port: int, step_ms: float, per_output: bool, loop: str) -> None:
+def _stats(running: dict):
+    from modelfleet.dataplane.engine.outputs import EngineStats
+
+    return EngineStats(len(running), 0, 0.0, 0.0, 1, 1)
+
+
+def _step_outputs(running: dict[str, tuple[int, int]]) -> list:
+    """One step of a stand-in: each running request (id -> max tokens, tokens made) gets its next token
+    (" t<n>"), as a delta output; finished ones leave `running`."""
+    from modelfleet.dataplane.engine.outputs import RequestOutput
+
+    outputs = []
+    for request_id, (max_tokens, made) in list(running.items()):
+        token = made + 1
+        finished = token == max_tokens
+        outputs.append(
+            RequestOutput(
+                request_id, [], text=f" t{token}", token_ids=[token], new_text=f" t{token}",
+                new_token_ids=[token], finish_reason="length" if finished else None, finished=finished,
+                delta=True,
+            )
+        )  # fmt: skip
+        if finished:
+            del running[request_id]
+        else:
+            running[request_id] = (max_tokens, token)
+    return outputs
+
+
+def stand_in_process_main(conn, step_s: float) -> None:
+    """A stand-in engine process: engine_process's messages over its pipe, one token per running
+    request and step, no model (the child of `stand_in_process_engine`)."""
+    from modelfleet.dataplane.engine.messages import Abort, Add, Close, Outputs, Ready
+    from modelfleet.dataplane.engine.outputs import RequestOutput
+
+    conn.send(Ready(_limits(), _stats({})))
+    running: dict[str, tuple[int, int]] = {}
+    while True:
+        started = time.perf_counter()
+        while not running or conn.poll():  # idle: wait for a command; busy: take what has arrived
+            command = conn.recv()
+            if isinstance(command, Close):
+                return
+            if isinstance(command, Add):
+                running[command.request_id] = (command.validated[1].max_tokens, 0)
+            elif isinstance(command, Abort) and running.pop(command.request_id, None) is not None:
+                aborted = RequestOutput(
+                    command.request_id, [], finish_reason="abort", finished=True, delta=True
+                )
+                conn.send(Outputs([aborted], _stats(running)))
+        conn.send(Outputs(_step_outputs(running), _stats(running)))
+        time.sleep(max(step_s - (time.perf_counter() - started), 0.0))
+
+
+def stand_in_process_engine(folder: str, step_s: float):
+    """The server's real reader of an engine process (AsyncLLMProcess: its pipe, reader thread and
+    delivery), on a stand-in child instead of LLMEngine."""
+    import gc
+    import multiprocessing
+
+    from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
+    from modelfleet.dataplane.engine.messages import Ready
+    from transformers import AutoTokenizer
+
+    class StandInProcess(AsyncLLMProcess):
+        def __init__(self) -> None:  # AsyncLLMProcess's start, with the stand-in as the child
+            context = multiprocessing.get_context("spawn")
+            self._conn, child_conn = context.Pipe()
+            self._process = context.Process(
+                target=stand_in_process_main, args=(child_conn, step_s), daemon=True
+            )
+            self._process.start()
+            child_conn.close()
+            ready = self._receive_start()
+            assert isinstance(ready, Ready), ready
+            self._limits, self._stats = ready.limits, ready.stats
+            self.max_model_len, self.vocab_size = ready.limits.max_model_len, ready.limits.vocab_size
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._tokenizer_lock = threading.Lock()
+            self._send_lock = threading.Lock()
+            self._start("stand-in-engine-io")
+            gc.collect()
+            gc.freeze()
+
+    return StandInProcess()
+
+
+def serve(port: int, step_ms: float, per_output: bool, loop: str, engine: str = "thread") -> None:
     import uvicorn
     from modelfleet.dataplane.manifest import single_model_manifest
     from modelfleet.dataplane.server.runtime import build_app
@@ -104,7 +179,11 @@ def serve(port: int, step_ms: float, per_output: bool, loop: str) -> None:
     app = build_app(
         ServerSettings(max_tokens_limit=100_000),
         manifest,
-        loader=lambda spec: stand_in_engine(folder, step_ms / 1e3, per_output),
+        loader=lambda spec: (
+            stand_in_process_engine(folder, step_ms / 1e3)
+            if engine == "process"
+            else stand_in_engine(folder, step_ms / 1e3, per_output)
+        ),
         estimate_bytes=lambda spec: 0,
     )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", loop=loop)
@@ -133,6 +212,7 @@ def measure(args: argparse.Namespace, delivery: str) -> dict:
     port = free_port()
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-port", str(port)]
     command += ["--step-ms", str(args.step_ms), "--delivery", delivery, "--loop", args.loop]
+    command += ["--engine", args.engine]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -194,6 +274,14 @@ def main() -> int:
         help="the server's event loop (auto: uvloop when installed, as uvicorn picks in production)",
     )
     parser.add_argument(
+        "--engine",
+        choices=["thread", "process"],
+        default="thread",
+        help="the stand-in engine on a thread of the server (AsyncLLM's delivery) or in a process of its "
+        "own behind the server's real engine-process reader (AsyncLLMProcess: pipe, pickled outputs, "
+        "reader thread), as the GPU images serve; its CPU is not counted",
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="py-spy's samples of the server process during the load, collapsed stacks (one run: "
@@ -202,11 +290,13 @@ def main() -> int:
     parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_port:
-        serve(args.serve_port, args.step_ms, per_output=args.delivery == "output", loop=args.loop)
+        serve(args.serve_port, args.step_ms, args.delivery == "output", args.loop, args.engine)
         return 0
 
     if args.profile and args.delivery == "both":
         parser.error("--profile records one server: give --delivery step or output")
+    if args.engine == "process" and args.delivery != "step":
+        parser.error("--engine process delivers as the engine process does: give --delivery step")
     runs = [measure(args, d) for d in (["output", "step"] if args.delivery == "both" else [args.delivery])]
     report = {
         "bench": "stream_overhead",
@@ -215,6 +305,7 @@ def main() -> int:
         "output_len": args.output_len,
         "step_ms": args.step_ms,
         "loop": args.loop,
+        "engine": args.engine,
         **runs[-1],
     }
     if len(runs) == 2:
