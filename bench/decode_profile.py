@@ -8,6 +8,7 @@ functions. Prints one JSON line (per-step figures in ms, top kernels) and, with 
 tables on stderr.
 
     python bench/decode_profile.py --preset llama-3.2-1b --batch 1 --batch 256
+    python bench/decode_profile.py --preset llama-3.2-1b --batch 1 --quantize int8  # its int8 artifact
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 import numpy as np
 import torch
-from throughput import PRESETS, build_preset
+from throughput import PRESETS, build_preset, quantized_artifact
 
 
 def start_decode(llm, batch: int, input_len: int, steps: int, temperature: float, vocab: int) -> dict:
@@ -129,6 +130,7 @@ def main() -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tables", action="store_true")
+    parser.add_argument("--quantize", choices=["int8", "fp8"], help="profile the per-channel artifact")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -137,6 +139,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_preset(args.preset, args.preset_dir or tmp, "cuda")
+        if args.quantize:
+            model = quantized_artifact(model, args.quantize, f"{tmp}/{args.quantize}", "cuda")
         with open(f"{model}/config.json") as f:
             args.vocab = json.load(f)["vocab_size"]
         llm = LLM(
@@ -151,6 +155,7 @@ def main() -> int:
         result = {
             "bench": "decode_profile",
             "model": args.preset,
+            "quantize": args.quantize,
             "device": torch.cuda.get_device_name(),
             "temperature": args.temperature,
             "runs": [profile_batch(llm, b, args) for b in args.batch],
