@@ -81,12 +81,11 @@ class Generation:
 
     def chunk_jsons(self) -> AsyncGenerator[str, None]:
         """The same chunks as JSON text, as SSE sends them; a token's chunk is encoded without a model
-        (Renderer.chunk_json)."""
+        (Renderer.stream_json)."""
         return self._chunks(encoded=True)
 
     async def _chunks(self, *, encoded: bool) -> AsyncGenerator[Any, None]:
         renderer, tokenizer = self.renderer, self.engine.tokenizer
-        render = renderer.chunk_json if encoded else renderer.chunk
         opened = False
         async with contextlib.aclosing(self._events()) as events:
             async for event in events:
@@ -94,8 +93,11 @@ class Generation:
                     opened = True
                     for chunk in renderer.opening_chunks():
                         yield chunk.model_dump_json() if encoded else chunk
-                renderer.add(event)
-                yield render(event, tokenizer)
+                if encoded:
+                    yield renderer.stream_json(event, tokenizer)
+                else:
+                    renderer.add(event)
+                    yield renderer.chunk(event, tokenizer)
         if self.include_usage:
             usage = renderer.usage_chunk()
             yield usage.model_dump_json() if encoded else usage

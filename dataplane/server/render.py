@@ -99,15 +99,24 @@ class Renderer:
         carry more than that."""
         raise NotImplementedError
 
-    def chunk_json(self, event: ChoiceEvent, tokenizer: Any) -> str:
-        """`chunk(event, tokenizer)` as JSON, the same text as its `model_dump_json()`: from a template
-        where this request's chunks carry only text."""
+    def stream_json(self, event: ChoiceEvent, tokenizer: Any) -> str:
+        """Adds a streamed event and gives its chunk as JSON: the same text as `add(event)` then
+        `chunk(event, tokenizer).model_dump_json()`. Where this request's chunks carry only text, they
+        come from a template and the choice keeps only its token count and finish reason (a streamed
+        answer is sent as it comes, never rendered whole)."""
         templates, index = self._templates, event.index
         if index not in templates:
             templates[index] = ChunkTemplate.of(lambda text, reason: self._plain_chunk(index, text, reason))
         template = templates[index]
         if template is None:
+            self.add(event)
             return self.chunk(event, tokenizer).model_dump_json()
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice()
+        choice.num_tokens += len(event.new_token_ids)
+        if event.finish_reason:
+            choice.finish_reason = event.finish_reason
         return template.fill(event.new_text, event.finish_reason)
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""A streamed chunk's JSON from its template (Renderer.chunk_json) is the same text as the chunk's pydantic
+"""A streamed chunk's JSON from its template (Renderer.stream_json) is the same text as the chunk's pydantic
 model dumps: for every character a token's text can hold, odd model names, each finish reason and choice
 index; requests whose chunks carry more than text (logprobs, tools) take the models' own path."""
 
@@ -42,26 +42,37 @@ def chat(model: str, **fields) -> ChatRenderer:
     return ChatRenderer(ChatCompletionRequest(model=model, messages=messages, **fields))
 
 
+def twins(make, model: str, **fields):
+    """Two renderers of one request: one streams, the other adds and renders the models."""
+    ours, twin = make(model, **fields), make(model, **fields)
+    twin.response_id, twin.created = ours.response_id, ours.created
+    return ours, twin
+
+
+def model_json(renderer, event: ChoiceEvent) -> str:
+    renderer.add(event)
+    return renderer.chunk(event, WordTokenizer()).model_dump_json()
+
+
 @pytest.mark.parametrize("make", [completion, chat])
 @pytest.mark.parametrize("model", MODELS)
 def test_template_writes_the_models_json(make, model):
-    renderer = make(model, n=4)
+    ours, twin = twins(make, model, n=4)
     for i, text in enumerate(texts(len(model))):
-        event = ChoiceEvent(
-            index=i % 4, new_text=text, new_token_ids=(1,), finish_reason=REASONS[i % len(REASONS)]
-        )
-        renderer.add(event)
-        encoded = renderer.chunk_json(event, WordTokenizer())
-        assert encoded == renderer.chunk(event, WordTokenizer()).model_dump_json()
-    assert sorted(renderer._templates) == [0, 1, 2, 3]
-    assert all(template is not None for template in renderer._templates.values())
+        reason = REASONS[i % len(REASONS)]
+        event = ChoiceEvent(index=i % 4, new_text=text, new_token_ids=(1,) * (i % 3), finish_reason=reason)
+        assert ours.stream_json(event, WordTokenizer()) == model_json(twin, event)
+    assert sorted(ours._templates) == [0, 1, 2, 3]
+    assert all(template is not None for template in ours._templates.values())
+    # what the request's end reads: its tokens and finish reasons, and the usage chunk
+    assert ours.completion_tokens == twin.completion_tokens > 0
+    assert ours.finish_reasons() == twin.finish_reasons()
+    assert ours.usage_chunk().model_dump_json() == twin.usage_chunk().model_dump_json()
 
 
 def test_text_with_every_character_round_trips():
-    renderer = completion("tiny")
     event = ChoiceEvent(index=0, new_text=EVERY_CHARACTER, new_token_ids=(1,))
-    renderer.add(event)
-    assert json.loads(renderer.chunk_json(event, None))["choices"][0]["text"] == EVERY_CHARACTER
+    assert json.loads(completion("tiny").stream_json(event, None))["choices"][0]["text"] == EVERY_CHARACTER
 
 
 @pytest.mark.parametrize(
@@ -73,15 +84,13 @@ def test_text_with_every_character_round_trips():
     ],
 )
 def test_chunks_with_more_than_text_take_the_models_path(make, fields):
-    ours, twin = make("tiny", **fields), make("tiny", **fields)
-    twin.response_id, twin.created = ours.response_id, ours.created  # the same request, rendered twice
+    ours, twin = twins(make, "tiny", **fields)
     for i, text in enumerate(["Hello", ' "there"', "\n", ""]):
         reason = "stop" if text == "" else None
         event = ChoiceEvent(0, text, (i,), logprobs=({i: -0.5, 7: -1.0},), finish_reason=reason)
-        ours.add(event)
-        twin.add(event)
-        assert ours.chunk_json(event, WordTokenizer()) == twin.chunk(event, WordTokenizer()).model_dump_json()
+        assert ours.stream_json(event, WordTokenizer()) == model_json(twin, event)
     assert ours._templates == {0: None}
+    assert ours.choices[0] == twin.choices[0]  # the models' path keeps the whole choice
 
 
 def test_a_chunk_that_hides_a_field_is_refused():
