@@ -106,6 +106,16 @@ def test_top1_is_judged_on_the_positions_the_baseline_decides(dtype):
     assert not compare(ref_logits, candidate(flip_odd=40), PROMPTS, TEXT, dtype)["passed"]
 
 
+def test_a_lead_of_exactly_twice_the_baselines_difference_is_not_decisive():
+    """Decisive: the reference's lead exceeds twice the baseline's difference; at exactly twice, not."""
+    top2 = ref_logits(PROMPTS[0])[0].topk(2).values
+    lead = (top2[0] - top2[1]).item()  # every even position's lead, as compare() computes it
+    at = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", baseline(lead / 2))
+    assert at["numDecisivePositions"] == 0
+    under = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", baseline(0.999 * lead / 2))
+    assert under["numDecisivePositions"] == 40
+
+
 def test_other_dtypes_and_baselines_keep_the_table():
     base = baseline(10.0)
     for dtype in ("bf16", "fp16", "fp32"):

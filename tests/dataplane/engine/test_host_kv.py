@@ -173,6 +173,60 @@ def test_loads_per_step_are_budgeted():
     assert list(bm.take_copies().loads) == ["b"]
 
 
+def test_a_load_that_fits_what_is_left_of_the_steps_budget_starts_in_that_step():
+    bm = BlockManager(8, BLOCK, host=HostBlockPool(16), max_loads_per_step=4)
+    prompts = [[i * 100 + j for j in range(9)] for i in range(2)]  # two full blocks each
+    for prompt in prompts:
+        seq = make_seq("p", prompt)
+        admit(bm, seq)
+        bm.free(seq)
+    filler = make_seq("filler", [5000 + i for i in range(8 * BLOCK)])
+    admit(bm, filler)
+    bm.free(filler)
+    bm.take_copies()
+    a, b = make_seq("a", prompts[0]), make_seq("b", prompts[1])
+    assert bm.waits_for_blocks(a) and bm.waits_for_blocks(b)
+    # a's two blocks leave exactly b's two of the four.
+    assert list(bm.take_copies().loads) == ["a", "b"]
+
+
+def test_a_load_counts_the_free_device_hits_it_takes_as_room_it_needs():
+    """A prompt of three blocks, its first a device hit in the free list, its second on the host: with
+    two free blocks (the hit one of them) the load cannot start; it does once a request frees blocks."""
+    bm = BlockManager(5, BLOCK, host=HostBlockPool(8))
+    prompt = list(range(9))
+    first = make_seq("first", prompt)
+    admit(bm, first)
+    bm.free(first)
+    running = make_seq("running", [500 + i for i in range(3 * BLOCK)])
+    admit(bm, running)
+    done = make_seq("done", [600 + i for i in range(BLOCK)])
+    admit(bm, done)  # evicts the prompt's second block to the host
+    bm.free(done)
+    assert bm.cached_block_id(first.block_hashes[0]) is not None
+    assert bm.cached_block_id(first.block_hashes[1]) is None and bm.num_free_blocks == 2
+    bm.take_copies()
+    again = make_seq("again", prompt)
+    assert not bm.waits_for_blocks(again)
+    assert bm.take_copies().loads == {}
+    bm.free(running)
+    assert bm.waits_for_blocks(again)
+    assert list(bm.take_copies().loads) == ["again"]
+
+
+def test_two_loads_of_one_prefix_leave_the_first_to_land_in_the_prefix_cache():
+    bm = BlockManager(8, BLOCK, host=HostBlockPool(16))
+    prompt = list(range(9))
+    evict_prefix(bm, prompt)
+    bm.take_copies()
+    x, y = make_seq("x", prompt), make_seq("y", prompt)
+    assert bm.waits_for_blocks(x) and bm.waits_for_blocks(y)  # both load: neither copy has landed
+    loads = bm.take_copies().loads
+    bm.finish_loads(["x", "y"])
+    later = make_seq("later", prompt)
+    assert bm.get_computed_blocks(later) == ([device for device, _ in loads["x"]], 8)
+
+
 def test_scheduler_runs_others_while_a_request_waits_for_its_copies():
     bm = BlockManager(8, BLOCK, host=HostBlockPool(16))
     scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)

@@ -126,6 +126,20 @@ def test_concurrency_cap():
     limiter.acquire(other)  # limits are per key
 
 
+def test_a_cap_added_by_a_key_file_reload_counts_only_requests_still_in_flight():
+    """A key with a token rate alone has its requests counted in and out too: when a reload of the key
+    file gives it a concurrency cap, the requests that already ended do not count against it."""
+    limiter = RateLimiter(clock=FakeClock())
+    before = Principal("k", KeyLimits(tokens_per_minute=1000))
+    for _ in range(2):
+        limiter.acquire(before)
+        limiter.release(before)
+    after = Principal("k", KeyLimits(tokens_per_minute=1000, max_concurrent=1))
+    limiter.acquire(after)
+    with pytest.raises(RateLimited, match="1 requests in flight"):
+        limiter.acquire(after)
+
+
 async def test_admission_queue_is_bounded():
     queue = AdmissionQueue(max_running=1, max_waiting=1)
     release = asyncio.Event()
