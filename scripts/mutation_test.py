@@ -61,10 +61,20 @@ class Module:
 
 SERVER = "tests/dataplane/server"
 MODULES: dict[str, Module] = {
-    "scheduler": Module("dataplane/engine/scheduler.py", ("tests/dataplane/engine/test_scheduler.py",)),
+    # test_speculative.py: the draft slots a decode holds and the verify step's accepted tokens.
+    "scheduler": Module(
+        "dataplane/engine/scheduler.py",
+        ("tests/dataplane/engine/test_scheduler.py", "tests/dataplane/engine/test_speculative.py"),
+    ),
+    # test_host_kv.py: spills and loads of the host tier; test_speculative.py: rejected drafts trimmed.
     "block_manager": Module(
         "dataplane/engine/block_manager.py",
-        ("tests/dataplane/engine/test_block_manager.py", "tests/dataplane/engine/test_scheduler.py"),
+        (
+            "tests/dataplane/engine/test_block_manager.py",
+            "tests/dataplane/engine/test_scheduler.py",
+            "tests/dataplane/engine/test_host_kv.py",
+            "tests/dataplane/engine/test_speculative.py",
+        ),
     ),
     "router": Module("dataplane/server/router.py", (f"{SERVER}/test_router.py",)),
     "admission": Module(
@@ -87,7 +97,7 @@ MODULES: dict[str, Module] = {
     ),
     "validate": Module(
         "converters/validate.py",
-        ("tests/converters/test_validate.py",),
+        ("tests/converters/test_validate.py", "tests/converters/test_validate_relative.py"),
         scope=("compare", "perplexity", "THRESHOLDS"),
     ),
     "authz": Module(
@@ -465,7 +475,9 @@ def copy_env(dest: Path) -> dict[str, str]:
 
 
 def check_copy_is_imported(dest: Path, env: dict[str, str], module: Module) -> None:
-    name = "modelfleet." + module.path.removesuffix(".py").replace("/", ".")
+    name = module.path.removesuffix(".py").replace("/", ".")
+    if not name.startswith("tests."):  # test helpers import as tests.*, from the copy's root
+        name = "modelfleet." + name
     for part, folder in PARTS.items():
         if name.startswith(f"modelfleet.{folder}."):
             name = part + name.removeprefix(f"modelfleet.{folder}")
