@@ -4,6 +4,7 @@ Checkpoint format (config.json `quantization_config = {"quant_method": "modelfle
 "group": "per-channel"}`): each quantized Linear weight `X.weight` [out, in] is stored as int8 or
 float8_e4m3fn, with `X.weight_scale` float32 [out] such that weight ~= X.weight * X.weight_scale[:, None].
 Scales are symmetric per output channel: int8 maps max|row| to 127, fp8 maps it to 448 (e4m3's largest).
+`"lm_head": true` (opt-in) adds `lm_head.weight` (per vocabulary row), also for tied embeddings.
 """
 
 from __future__ import annotations

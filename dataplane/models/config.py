@@ -40,6 +40,9 @@ class RopeConfig:
 class QuantConfig:
     method: str  # "modelfleet"
     format: str  # "int8" | "fp8"
+    # The output projection is quantized too (an opt-in of the converter); for tied embeddings the
+    # artifact then holds its own lm_head.weight beside the float embeddings, which the engine unties.
+    lm_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,4 +259,7 @@ def _quantization(raw: dict[str, Any]) -> QuantConfig | None:
             f"config.json quantization_config quant_method={method!r} format={fmt!r}: only "
             f"quant_method 'modelfleet' with format {' or '.join(SUPPORTED_QUANT_FORMATS)} is supported"
         )
-    return QuantConfig(method=method, format=fmt)
+    lm_head = quant.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        raise ConfigError(f"config.json quantization_config lm_head={lm_head!r}: must be true or false")
+    return QuantConfig(method=method, format=fmt, lm_head=lm_head)

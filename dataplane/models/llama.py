@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.attention.backend import AttentionBackend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
-from modelfleet.dataplane.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, make_linear
+from modelfleet.dataplane.layers import RMSNorm, RotaryEmbedding, SiluAndMul, make_linear
 from modelfleet.dataplane.layers.vocab_parallel import VocabParallelEmbedding
 from modelfleet.dataplane.models.config import ModelConfig
 from modelfleet.dataplane.parallel.sharding import Shard, even_range, split_heads, vocab_range
@@ -190,14 +190,16 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = backend
         self.model = LlamaModel(config, backend, tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
-        # Tied embeddings: the output projection is the embedding matrix, no separate tensor.
+        # Tied embeddings: the output projection is the embedding matrix, no separate tensor, unless the
+        # artifact quantized it (then it holds its own quantized lm_head and the embeddings stay float).
+        head_quant = lm_head_quant_format(config)
         self.lm_head = None
-        if not config.tie_word_embeddings:
+        if not config.tie_word_embeddings or head_quant is not None:
             if tp is None:
-                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+                self.lm_head = make_linear(config.hidden_size, [config.vocab_size], quant_format=head_quant)
             else:  # the rank's vocabulary shard, as the embedding's
                 start, end, padded = vocab_range(config.vocab_size, tp.rank, tp.size)
-                self.lm_head = Linear(config.hidden_size, padded, bias=False)
+                self.lm_head = make_linear(config.hidden_size, [padded], quant_format=head_quant)
                 self.lm_head.tp_shard = Shard(
                     dim=0, ranges=((start, end),), full_sizes=(config.vocab_size,), rows=padded
                 )
@@ -254,6 +256,12 @@ class LlamaForCausalLM(nn.Module):
             if self.config.mlp_bias:
                 names.add(f"model.layers.{i}.mlp.down_proj.bias")
         return names
+
+
+def lm_head_quant_format(config: ModelConfig) -> str | None:
+    """The quantized format of the output projection, or None where it is float (the default)."""
+    quant = config.quantization
+    return quant.format if quant is not None and quant.lm_head else None
 
 
 def _is_first(tp: TensorParallelGroup | None) -> bool:
