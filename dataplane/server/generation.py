@@ -104,8 +104,8 @@ class Generation:
 
     async def _events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""
-        metrics, labels = self.metrics, (self.model, self.version)
-        counts = metrics.stream_counts(*labels)
+        metrics = self.metrics.of_version(self.model, self.version)
+        counts = metrics.stream
         status = "200"
         error: BaseException | None = None
         started = self.arrived
@@ -122,7 +122,7 @@ class Generation:
                         count = len(event.new_token_ids)
                         if first_token_at is None:
                             first_token_at = now
-                            metrics.ttft.labels(*labels).observe(now - started)
+                            metrics.ttft.observe(now - started)
                             prefill.end()
                             decode = self.tracer.start_span(
                                 "decode", context=trace.set_span_in_context(self.span)
@@ -159,11 +159,11 @@ class Generation:
                 decode.end()
             num_prompt = sum(len(p) for p in self.prompts) * self.n
             num_output = self.renderer.completion_tokens
-            metrics.prompt_tokens.labels(*labels).inc(num_prompt)
-            metrics.e2e.labels(*labels).observe(end - started)
-            metrics.request_prompt_tokens.labels(*labels).observe(num_prompt)
-            metrics.request_generation_tokens.labels(*labels).observe(num_output)
-            metrics.requests.labels(*labels, status).inc()
+            metrics.prompt_tokens.inc(num_prompt)
+            metrics.e2e.observe(end - started)
+            metrics.request_prompt_tokens.observe(num_prompt)
+            metrics.request_generation_tokens.observe(num_output)
+            self.metrics.requests.labels(self.model, self.version, status).inc()
             self.span.set_attribute(tr.INPUT_TOKENS, num_prompt)
             self.span.set_attribute(tr.OUTPUT_TOKENS, num_output)
             self.span.set_attribute(tr.RESPONSE_ID, self.request_id)

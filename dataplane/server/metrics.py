@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from modelfleet.dataplane.engine.protocol import Engine
@@ -240,6 +241,18 @@ class _BothChild(Generic[_Metric]):
             child.inc(value)
 
 
+@dataclass(frozen=True)
+class VersionMetrics:
+    """One version's children of the metrics every request updates."""
+
+    ttft: _BothChild[Histogram]
+    e2e: _BothChild[Histogram]
+    prompt_tokens: _BothChild[Counter]
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    stream: StreamCounts
+
+
 class ServerMetrics:
     def __init__(self, engines: Engines = lambda: ()) -> None:
         self.registry = CollectorRegistry()
@@ -263,6 +276,7 @@ class ServerMetrics:
         # histograms and counters of these names (stream_counts).
         self._streams = _StreamCollector()
         r.register(self._streams)
+        self._versions: dict[tuple[str, str], VersionMetrics] = {}
         self.e2e = latency(
             "e2e_request_latency_seconds",
             "Time from arrival to the last token.",
@@ -341,6 +355,20 @@ class ServerMetrics:
     def stream_counts(self, model: str, version: str) -> StreamCounts:
         """The version's generated tokens and inter-token gaps, to add each engine output to."""
         return self._streams.counts(model, version)
+
+    def of_version(self, model: str, version: str) -> VersionMetrics:
+        """The version's per-request metrics, looked up once (each `labels()` takes a lock and hashes)."""
+        found = self._versions.get((model, version))
+        if found is None:
+            found = self._versions[(model, version)] = VersionMetrics(
+                ttft=self.ttft.labels(model, version),
+                e2e=self.e2e.labels(model, version),
+                prompt_tokens=self.prompt_tokens.labels(model, version),
+                request_prompt_tokens=self.request_prompt_tokens.labels(model, version),
+                request_generation_tokens=self.request_generation_tokens.labels(model, version),
+                stream=self.stream_counts(model, version),
+            )
+        return found
 
     def count_admission(self, waiting: AdmissionWaiting) -> None:
         """Where the server's admission queues are, so that waiting counts the requests there too."""

@@ -88,3 +88,16 @@ def test_counts_add_up():
     assert counts.tokens == 4
     assert counts.buckets[_LATENCY_BUCKETS.index(0.04)] == 3 and sum(counts.buckets) == 3
     assert counts.gap_sum == 0.03 + 0.03 + 0.03
+
+
+def test_a_versions_metrics_are_looked_up_once_and_exported():
+    metrics = ServerMetrics()
+    version = metrics.of_version("m", "v1")
+    assert metrics.of_version("m", "v1") is version and metrics.of_version("m", "v2") is not version
+    assert version.stream is metrics.stream_counts("m", "v1")
+    version.ttft.observe(0.03)
+    version.request_generation_tokens.observe(7)
+    text = metrics.render().decode()
+    assert 'modelfleet_time_to_first_token_seconds_count{model="m",version="v1"} 1.0' in text
+    assert 'vllm:time_to_first_token_seconds_count{model_name="m",version="v1"} 1.0' in text
+    assert 'vllm:request_generation_tokens_sum{model_name="m",version="v1"} 7.0' in text
