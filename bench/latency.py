@@ -20,6 +20,8 @@ run, on the same prompt: `engine_int8` with its own weight bytes and roofline, a
 (decode tokens/s over the source model's run, the baseline measured in the same process).
 
     python bench/latency.py --device cuda --preset llama-3.2-1b --quantize int8 --quantize fp8 --skip-hf
+
+--quantize-lm-head: those artifacts quantize lm_head too (the converter's opt-in); the JSON says which.
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=["int8", "fp8"],
         help="also run the engine on this quantized artifact of the model (repeatable): engine_<fmt>",
     )
+    parser.add_argument(
+        "--quantize-lm-head", action="store_true", help="every --quantize artifact quantizes lm_head too"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.tensor_parallel < 1:
@@ -212,6 +217,8 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "dtype": args.dtype,
     }
+    if args.quantize:
+        result["quantize_lm_head"] = args.quantize_lm_head
     if args.device == "cuda":
         result["device_name"] = torch.cuda.get_device_name()
         result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
@@ -227,9 +234,8 @@ def run(args: argparse.Namespace) -> dict:
     for fmt in args.quantize or []:
         with tempfile.TemporaryDirectory(prefix=f"bench-{fmt}-") as tmp:
             record: dict = {}
-            record["engine"] = run_engine(
-                args, prompt, record, model=quantized_artifact(args.model, fmt, tmp, args.device)
-            )
+            artifact = quantized_artifact(args.model, fmt, tmp, args.device, args.quantize_lm_head)
+            record["engine"] = run_engine(args, prompt, record, model=artifact)
         engine = result[f"engine_{fmt}"] = record["engine"]
         engine["weight_bytes_per_step"] = record["weight_bytes_per_step"]
         if "copy_bandwidth_gbps" in result:

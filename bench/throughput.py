@@ -121,34 +121,36 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / min(times[10:]) / 1e9
 
 
-def quantized_artifact(model_dir: str | Path, fmt: str, out_dir: str | Path, device: str = "cpu") -> str:
+def quantized_artifact(
+    model_dir: str | Path, fmt: str, out_dir: str | Path, device: str = "cpu", lm_head: bool = False
+) -> str:
     """The converter's int8/fp8 per-channel format of a bf16 checkpoint (its quantized linear weights
-    with their scales, every other tensor as it is), written to out_dir; an out_dir that already holds
-    this format is reused. Quantized on `device` (an 8B model's weights take minutes on the CPU)."""
-    from modelfleet.converters.checkpoint import QUANTIZED_SUFFIXES, SIDE_FILES
-    from modelfleet.dataplane.quantization import quantize
+    with their scales, lm_head too with `lm_head`, every other tensor as it is), written to out_dir; an
+    out_dir that already holds this format is reused. Quantized on `device` (an 8B model's weights take
+    minutes on the CPU)."""
+    from modelfleet.converters.checkpoint import SIDE_FILES, QuantPlan
     from safetensors.torch import load_file, save_file
 
     src, out = Path(model_dir), Path(out_dir)
     config = json.loads((src / "config.json").read_text())
+    plan = QuantPlan(fmt, lm_head=lm_head, tied=bool(config.get("tie_word_embeddings", False)))
     done = out / "config.json"
-    if done.is_file() and json.loads(done.read_text()).get("quantization_config", {}).get("format") == fmt:
+    if done.is_file() and json.loads(done.read_text()).get("quantization_config") == plan.config():
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     shards = sorted(p.name for p in src.glob("*.safetensors"))
     for shard in shards:
-        tensors = load_file(src / shard, device=device)
-        for name in list(tensors):
-            if name.endswith(QUANTIZED_SUFFIXES) and tensors[name].dim() == 2:
-                tensors[name], tensors[name + "_scale"] = quantize(tensors[name], fmt)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in load_file(src / shard, device=device).items():
+            tensors.update(plan.tensors(name, tensor))
         weight_map.update(dict.fromkeys(tensors, shard))
         save_file({k: v.cpu() for k, v in tensors.items()}, str(out / shard), metadata={"format": "pt"})
         del tensors
     if len(shards) > 1:
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index))
-    config["quantization_config"] = {"quant_method": "modelfleet", "format": fmt, "group": "per-channel"}
+    config["quantization_config"] = plan.config()
     for name in SIDE_FILES:
         if (src / name).is_file():
             (out / name).write_bytes((src / name).read_bytes())
@@ -166,7 +168,8 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         for name, b in model.named_buffers()
         if name.endswith((".weight", ".weight_scale"))
     )
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    # A tied model whose artifact quantized lm_head has its own head: its embedding is read by rows.
+    tied = getattr(model.config, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is None
     if not tied:
         for name, p in model.named_parameters():
             if "embed" in name:

@@ -48,8 +48,8 @@ def quantized_candidate(artifact: Path, source: Path, fmt: str, serving_dtype: s
                     q.bias = linear.bias
                 parent, _, child = module_name.rpartition(".")
                 setattr(model.get_submodule(parent), child, q)
-            else:
-                linear.weight.data = dequantize(tensor, tensors[name + "_scale"], dtype)
+            else:  # a new Parameter: a tied lm_head's quantized copy must not overwrite the embeddings
+                linear.weight = nn.Parameter(dequantize(tensor, tensors[name + "_scale"], dtype), False)
         else:
             getattr(model.get_submodule(module_name), attr).data = tensor.to(dtype)
     model.to(dev)

@@ -36,7 +36,8 @@ SIDE_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-# Linear layers that are quantized; embeddings, norms and lm_head keep the serving dtype.
+# Linear layers that are quantized; embeddings, norms and (unless asked, see QuantPlan) lm_head keep the
+# serving dtype.
 QUANTIZED_SUFFIXES = (
     "q_proj.weight",
     "k_proj.weight",
@@ -46,6 +47,8 @@ QUANTIZED_SUFFIXES = (
     "up_proj.weight",
     "down_proj.weight",
 )
+LM_HEAD = "lm_head.weight"
+EMBEDDINGS = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -146,25 +149,71 @@ def copy_side_files(source: Path, dest: Path) -> None:
             shutil.copyfile(regular_file(source, name), dest / name)
 
 
-def write_torch(ckpt: Checkpoint, dest: Path, *, dtype: str, quant: str | None, serving_dtype: str) -> None:
+@dataclass(frozen=True)
+class QuantPlan:
+    """Which source tensors an int8/fp8 per-channel artifact stores quantized (`fmt`), each as X.weight and
+    X.weight_scale. `lm_head`: the output projection too (per vocabulary row); a tied checkpoint's is made
+    from the embeddings, which stay float beside it. `float_dtype`: what the other floats become (None
+    keeps them)."""
+
+    fmt: str
+    lm_head: bool = False
+    tied: bool = False
+    float_dtype: torch.dtype | None = None
+
+    def tensors(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The artifact's tensors for one source tensor (none for a tied copy of lm_head it replaces)."""
+        out: dict[str, torch.Tensor] = {}
+        head = self.lm_head and name == LM_HEAD
+        if head and self.tied:  # the copy some tied checkpoints carry: the embeddings are the head
+            return out
+        if tensor.dim() == 2 and (head or name.endswith(QUANTIZED_SUFFIXES)):
+            out[name], out[name + "_scale"] = quantize(tensor, self.fmt)
+            return out
+        float_ok = self.float_dtype is not None and tensor.is_floating_point()
+        out[name] = tensor.to(self.float_dtype) if float_ok else tensor
+        if self.lm_head and self.tied and name == EMBEDDINGS:
+            out[LM_HEAD], out[LM_HEAD + "_scale"] = quantize(tensor, self.fmt)
+        return out
+
+    def config(self) -> dict:
+        """config.json's quantization_config (the engine reads it); lm_head only when it is quantized."""
+        config = {"quant_method": "modelfleet", "format": self.fmt, "group": "per-channel"}
+        return {**config, "lm_head": True} if self.lm_head else config
+
+
+def write_torch(
+    ckpt: Checkpoint,
+    dest: Path,
+    *,
+    dtype: str,
+    quant: str | None,
+    serving_dtype: str,
+    quantize_lm_head: bool = False,
+) -> None:
     """Write safetensors shards (same layout as the source) in `dtype`, or quantized (`quant` int8/fp8)
-    with every other tensor in `serving_dtype`. One shard in memory at a time."""
+    with every other tensor in `serving_dtype` (and lm_head quantized with `quantize_lm_head`). One shard
+    in memory at a time."""
+    if quantize_lm_head and not quant:
+        raise BadInputError("quantizing lm_head needs an int8 or fp8 target")
     float_dtype = TORCH_DTYPES[serving_dtype if quant else dtype]
+    tied = bool(ckpt.config.get("tie_word_embeddings", False))
+    plan = QuantPlan(quant, quantize_lm_head, tied, float_dtype) if quant else None
     weight_map: dict[str, str] = {}
     with progress.task(f"convert to {quant or dtype}", ckpt.num_tensors()) as bar:
         for shard in ckpt.shards:
             out: dict[str, torch.Tensor] = {}
             for name, tensor in ckpt.tensors(shard):
-                if quant and name.endswith(QUANTIZED_SUFFIXES) and tensor.dim() == 2:
-                    q, scale = quantize(tensor, quant)
-                    out[name], out[name + "_scale"] = q, scale
-                    weight_map[name + "_scale"] = shard
+                if plan is not None:
+                    out.update(plan.tensors(name, tensor))
                 else:
                     out[name] = tensor.to(float_dtype) if tensor.is_floating_point() else tensor
-                weight_map[name] = shard
                 bar.advance()
+            weight_map.update(dict.fromkeys(out, shard))
             save_file(out, str(dest / shard), metadata={"format": "pt"})
             del out
+    if quantize_lm_head and LM_HEAD + "_scale" not in weight_map:
+        raise BadInputError(f"cannot quantize lm_head: the source has neither {LM_HEAD} nor {EMBEDDINGS}")
     if len(ckpt.shards) > 1:
         total = sum((dest / s).stat().st_size for s in ckpt.shards)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -172,11 +221,7 @@ def write_torch(ckpt: Checkpoint, dest: Path, *, dtype: str, quant: str | None, 
     config = dict(ckpt.config)
     config["torch_dtype"] = DTYPE_NAMES[float_dtype]
     config.pop("dtype", None)
-    if quant:
-        config["quantization_config"] = {
-            "quant_method": "modelfleet",
-            "format": quant,
-            "group": "per-channel",
-        }
+    if plan is not None:
+        config["quantization_config"] = plan.config()
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copy_side_files(ckpt.path, dest)

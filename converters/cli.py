@@ -63,6 +63,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"hardware class: {', '.join(ACCELERATORS)}")  # fmt: skip
     parser.add_argument("--format", choices=FORMATS, help="default: the hardware's preferred format")
     parser.add_argument("--dtype", choices=DTYPES, help="default: the hardware's serving dtype")
+    parser.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="int8/fp8 targets: quantize lm_head too, per vocabulary row (default: it stays in the "
+        "serving dtype, as the logits' quality depends on it)",
+    )
     parser.add_argument("--out", required=True, type=Path, help="artifact folder to publish")
     parser.add_argument("--sha256", help="expected source digest (archive sha256, or the folder digest)")
     parser.add_argument(
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         sha256=args.sha256,
         cache_dir=args.cache_dir,
         force=args.force,
+        quantize_lm_head=args.quantize_lm_head,
     )
     code, validation = 0, None
     # Only the main thread may set a handler (an in-process caller on another thread keeps its own).

@@ -32,6 +32,7 @@ class Request:
     sha256: str | None = None
     cache_dir: Path | None = None
     force: bool = False
+    quantize_lm_head: bool = False  # int8/fp8 torch targets only
 
 
 def resolve_target(accelerator: str, format: str | None, dtype: str | None) -> Target:
@@ -62,6 +63,10 @@ def serving_dtype(accelerator: str) -> str:
 def convert(request: Request) -> dict:
     """Run the conversion and return the summary dict; raises ConversionError subclasses on failure."""
     target = resolve_target(request.accelerator, request.format, request.dtype)
+    if request.quantize_lm_head and not (target.format == "torch" and target.dtype in ("int8", "fp8")):
+        raise BadInputError(
+            f"--quantize-lm-head applies to torch int8/fp8 targets, not {target.format} {target.dtype}"
+        )
     out = request.out.absolute()
     if out.exists() and not out.is_dir():
         raise BadInputError(f"--out {out} exists and is not a folder; choose another path")
@@ -71,7 +76,8 @@ def convert(request: Request) -> dict:
 
     # A retried Job finds its own finished artifact: report it again instead of redoing the work.
     previous = artifact.existing_manifest(out)
-    if previous and _same_artifact(previous, source.digest, target) and not request.force:
+    same = previous and _same_artifact(previous, source.digest, target, request.quantize_lm_head)
+    if same and not request.force:
         progress.log(f"{out} already holds this conversion; nothing to do")
         return artifact.summary(
             ok=True, target=target.as_dict(), manifest=previous, uri=artifact.artifact_uri(out),
@@ -84,7 +90,8 @@ def convert(request: Request) -> dict:
     staging = artifact.staging_dir(out)
     try:  # whatever happens (an error, Ctrl-C, SIGTERM), the staging folder goes and nothing is published
         started = time.monotonic()
-        _build(ckpt, target, staging, cache_dir / f"onnx-fp32-{source.digest.removeprefix('sha256:')[:16]}")
+        onnx_cache = cache_dir / f"onnx-fp32-{source.digest.removeprefix('sha256:')[:16]}"
+        _build(ckpt, target, staging, request.quantize_lm_head, onnx_cache)
         conversion_seconds = time.monotonic() - started
         started = time.monotonic()
         validation = _validate(ckpt, target, staging, token_ids)
@@ -102,6 +109,8 @@ def convert(request: Request) -> dict:
         }
         if target.dtype in ("int8", "fp8"):
             fields["quantization"] = {"format": target.dtype, "group": "per-channel", "symmetric": True}
+            if request.quantize_lm_head:
+                fields["quantization"]["lmHead"] = True
         manifest = artifact.write_manifest(staging, fields)
         artifact.publish(staging, out)
     except BaseException:
@@ -117,17 +126,25 @@ def convert(request: Request) -> dict:
     )
 
 
-def _same_artifact(manifest: dict, digest: str, target: Target) -> bool:
-    return manifest.get("source", {}).get("digest") == digest and all(
-        manifest.get(k) == v for k, v in target.as_dict().items()
+def _same_artifact(manifest: dict, digest: str, target: Target, lm_head: bool) -> bool:
+    quantization = manifest.get("quantization") or {}
+    return (
+        manifest.get("source", {}).get("digest") == digest
+        and all(manifest.get(k) == v for k, v in target.as_dict().items())
+        and quantization.get("lmHead", False) == lm_head
     )
 
 
-def _build(ckpt: Checkpoint, target: Target, staging: Path, onnx_cache: Path) -> None:
+def _build(ckpt: Checkpoint, target: Target, staging: Path, lm_head: bool, onnx_cache: Path) -> None:
     if target.format == "torch":
         quant = target.dtype if target.dtype in ("int8", "fp8") else None
         write_torch(
-            ckpt, staging, dtype=target.dtype, quant=quant, serving_dtype=serving_dtype(target.accelerator)
+            ckpt,
+            staging,
+            dtype=target.dtype,
+            quant=quant,
+            serving_dtype=serving_dtype(target.accelerator),
+            quantize_lm_head=lm_head,
         )
         return
     from modelfleet.converters import onnx_export
