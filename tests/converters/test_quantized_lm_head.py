@@ -222,3 +222,21 @@ def test_the_engine_runs_an_fp8_head_on_cuda(sources, kind, tmp_path):
             logits = model.compute_logits(hidden)
         expected = hidden.float() @ weight.t()
         assert (logits - expected).abs().max() < 0.08 * expected.abs().max()
+
+
+@pytest.mark.skipif(fp8_supported("cuda"), reason="this host runs fp8 kernels; the case is a host without")
+def test_validating_fp8_without_fp8_keeps_a_tied_models_embeddings(tied_model_dir, tmp_path, monkeypatch):
+    """Without fp8 hardware validation dequantizes the weights into the source model: a tied head's
+    dequantized copy must become the head alone, not the embeddings it was tied to."""
+    from modelfleet.converters import candidates
+
+    headq = convert(tied_model_dir, tmp_path / "on", "fp8", quantize_lm_head=True)
+    models = []
+    monkeypatch.setattr(candidates, "hf_logits_fn", models.append)
+    _, how = candidates.quantized_candidate(headq, tied_model_dir, "fp8", "bf16")
+    assert how["method"] == "dequantized-weights"
+    state = load_file(headq / "model.safetensors")
+    model = models[0]
+    assert torch.equal(model.model.embed_tokens.weight, state[EMBEDDINGS])
+    head = dequantize(state[LM_HEAD], state[LM_HEAD + "_scale"], torch.bfloat16)
+    assert torch.equal(model.lm_head.weight, head) and not torch.equal(head, state[EMBEDDINGS])
