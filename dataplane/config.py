@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_KV_CACHE_DTYPES = ("auto", "fp8")  # as attention.kv_quant.KV_CACHE_DTYPES (not imported: no torch here)
 
 
 @dataclass
@@ -29,6 +30,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # "auto": bfloat16 on accelerators, float32 on the CPU.
     dtype: str = "auto"
+    # The KV cache's element type: "auto" (the model's dtype) or "fp8" (float8 e4m3 with a static scale
+    # per layer for K and V: twice the tokens in the same bytes; CUDA GPUs of compute capability >= 8.9,
+    # emulated on the CPU). See modelfleet.dataplane.attention.kv_quant.
+    kv_cache_dtype: str = "auto"
     # None: the best device present (see modelfleet.dataplane.device).
     device: str | None = None
     seed: int = 0
@@ -78,6 +83,10 @@ class EngineConfig:
         _check_speculative(self)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(_KV_CACHE_DTYPES)}"
+            )
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check_prefill_fits(self.max_num_batched_tokens, self.max_model_len)
 

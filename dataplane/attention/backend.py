@@ -17,14 +17,23 @@ RotaryFn = Callable[
 class AttentionBackend(ABC):
     """Writes new K/V into a paged cache and computes attention reading K/V through block tables.
 
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 keys, 1 values).
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 keys, 1 values), in the model's
+    dtype or float8 e4m3 (kv_cache_dtype fp8: K / k_scale and V / v_scale are stored, see kv_quant.py).
+    k_scale / v_scale are the layer's KV scales; a cache in the model's dtype ignores them.
     """
 
     name: str = ""
 
     @abstractmethod
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """key/value: [T, num_kv_heads, head_dim] -> kv_cache slots slot_mapping[T] (negative: skip)."""
 
@@ -38,12 +47,15 @@ class AttentionBackend(ABC):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates query [T, Hq, D] and key [T, Hkv, D] by `rotary(query, key, cos, sin)`, writes the
         rotated key and value into kv_cache as write_kv does, and returns the rotated (query, key).
         Backends may fuse the two steps where they know what `rotary` computes."""
         query, key = rotary(query, key, cos, sin)
-        self.write_kv(key, value, kv_cache, slot_mapping)
+        self.write_kv(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return query, key
 
     @abstractmethod
@@ -57,6 +69,8 @@ class AttentionBackend(ABC):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """query: [T, Hq, D] -> [T, Hq, D]. key/value (this step's, already written) are an optional hint
         a backend may use when no sequence has cached context. sliding_window W: keys at p-W+1..p only."""

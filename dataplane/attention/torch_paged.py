@@ -7,6 +7,9 @@ one masked scaled_dot_product_attention. Grouped-query heads are folded into the
 are never repeated. Decode groups skip SDPA for two batched matmuls that read the gathered K/V in
 place (see TorchPagedAttention._decode_forward). The grouping, gather indices and masks are built
 once per step and shared by every layer (AttentionMetadata.backend_cache).
+An fp8 cache (kv_quant.py) is emulated: K/V are quantized when written (copied as bytes: torch has no
+float8 index_copy on the CPU) and dequantized to the query's dtype after the gather; this step's fresh
+K/V take the same round trip, so every path sees what the Triton kernels read from the cache.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.attention.backend import AttentionBackend
+from modelfleet.dataplane.attention.kv_quant import check_scale, dequantize, is_fp8, quantize, round_trip
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 
 _CACHE_KEY = "torch_paged"
@@ -51,12 +55,13 @@ class _Group:
         The two output buffers are reused by every layer of the step: a fresh multi-megabyte tensor
         per layer costs more in page faults than the copy itself.
         """
-        flat = kv_cache.view(2, kv_cache.shape[1], -1)
+        flat = _as_bytes(kv_cache).view(2, kv_cache.shape[1], -1)
         rows = self.block_index.shape[0]
         if self.kv_buffers is None or self.kv_buffers.dtype != kv_cache.dtype:
             self.kv_buffers = kv_cache.new_empty(2, rows, flat.shape[2])
-        torch.index_select(flat[0], 0, self.block_index, out=self.kv_buffers[0])
-        torch.index_select(flat[1], 0, self.block_index, out=self.kv_buffers[1])
+        buffers = _as_bytes(self.kv_buffers)
+        torch.index_select(flat[0], 0, self.block_index, out=buffers[0])
+        torch.index_select(flat[1], 0, self.block_index, out=buffers[1])
         return self.kv_buffers[0], self.kv_buffers[1]
 
     def mask(self, kv_len: int, window: int | None, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -149,18 +154,38 @@ def _plan(meta: AttentionMetadata, block_size: int) -> list[_Group]:
     return groups
 
 
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (the same bytes), for the copies torch implements for no float8 dtype."""
+    return x.view(torch.uint8) if is_fp8(x) else x
+
+
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         _, _, _, num_kv_heads, head_dim = kv_cache.shape
         if bool((slot_mapping < 0).any()):  # negative slots mark padding tokens (e.g. graph batches)
             keep = slot_mapping >= 0
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        if is_fp8(kv_cache):
+            key = quantize(key, check_scale("k_scale", k_scale))
+            value = quantize(value, check_scale("v_scale", v_scale))
+        cache = _as_bytes(kv_cache)
+        cache[0].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, _as_bytes(key.to(kv_cache.dtype))
+        )
+        cache[1].view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, _as_bytes(value.to(kv_cache.dtype))
+        )
 
     def forward(
         self,
@@ -172,17 +197,26 @@ class TorchPagedAttention(AttentionBackend):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        scales = None
+        if is_fp8(kv_cache):
+            scales = (check_scale("k_scale", k_scale), check_scale("v_scale", v_scale))
+            key = None if key is None else round_trip(key, scales[0])
+            value = None if value is None else round_trip(value, scales[1])
         groups = _plan(attn_metadata, kv_cache.shape[2])
         if len(groups) == 1 and groups[0].token_index.shape[0] == query.shape[0]:
-            return self._group_forward(groups[0], query, kv_cache, scale, key, value, sliding_window)
+            return self._group_forward(groups[0], query, kv_cache, scale, key, value, sliding_window, scales)
         out = torch.empty_like(query)
         for group in groups:
             q = query.index_select(0, group.token_index)
             k = key.index_select(0, group.token_index) if key is not None and group.fresh else None
             v = value.index_select(0, group.token_index) if value is not None and group.fresh else None
             out.index_copy_(
-                0, group.token_index, self._group_forward(group, q, kv_cache, scale, k, v, sliding_window)
+                0,
+                group.token_index,
+                self._group_forward(group, q, kv_cache, scale, k, v, sliding_window, scales),
             )
         return out
 
@@ -195,6 +229,7 @@ class TorchPagedAttention(AttentionBackend):
         key: torch.Tensor | None,
         value: torch.Tensor | None,
         window: int | None,
+        scales: tuple[float, float] | None = None,  # (k_scale, v_scale) of an fp8 cache
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -215,6 +250,8 @@ class TorchPagedAttention(AttentionBackend):
         else:  # [n * num_blocks, block_size, Hkv, D] -> [n, Hkv, L, D]
             kv_len = group.num_blocks * block_size
             k, v = group.gather(kv_cache)
+            if scales is not None:
+                k, v = dequantize(k, scales[0], query.dtype), dequantize(v, scales[1], query.dtype)
             k = k.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
             v = v.view(n, kv_len, num_kv_heads, head_dim).transpose(1, 2)
         if max_q == 1 and not use_new_kv and num_kv_heads <= _MAX_KV_HEADS_FOR_DECODE_MATMUL:

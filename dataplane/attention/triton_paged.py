@@ -31,11 +31,18 @@ class TritonPagedAttention(AttentionBackend):
     name = "triton"
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         from modelfleet.dataplane.kernels.kv_write import write_kv
 
-        write_kv(key, value, kv_cache, slot_mapping)
+        write_kv(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def rope_and_write_kv(
         self,
@@ -47,12 +54,19 @@ class TritonPagedAttention(AttentionBackend):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not _is_triton_rotary(rotary, query.device.type):
-            return super().rope_and_write_kv(query, key, value, rotary, cos, sin, kv_cache, slot_mapping)
+            return super().rope_and_write_kv(
+                query, key, value, rotary, cos, sin, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+            )
         from modelfleet.dataplane.kernels.rotary_kv_write import rotary_and_write_kv
 
-        return rotary_and_write_kv(query, key, value, cos, sin, kv_cache, slot_mapping)
+        return rotary_and_write_kv(
+            query, key, value, cos, sin, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
 
     def forward(
         self,
@@ -64,6 +78,8 @@ class TritonPagedAttention(AttentionBackend):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         meta = attn_metadata
         if meta.max_query_len == 1:
@@ -78,6 +94,8 @@ class TritonPagedAttention(AttentionBackend):
                 meta.block_tables,
                 scale,
                 sliding_window=sliding_window,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         from modelfleet.dataplane.kernels.extend_attention import extend_attention
 
@@ -90,4 +108,6 @@ class TritonPagedAttention(AttentionBackend):
             meta.max_query_len,
             scale,
             sliding_window=sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

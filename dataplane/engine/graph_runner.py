@@ -46,6 +46,8 @@ class GraphRunner:
             raise ValueError("enable_prefix_caching: an exported graph keeps each sequence's cache apart")
         if config.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: an exported graph runs whole, on one device")
+        if config.kv_cache_dtype != "auto":
+            raise ValueError("kv_cache_dtype: an exported graph keeps its cache in its own dtype; use auto")
         self.graph = graph_class(config.model)
         self.model_config = ModelConfig.from_dir(config.model)
         self.device = torch.device(self.graph.device)

@@ -112,6 +112,7 @@ class ModelRunner:
     def _build(
         self, config: EngineConfig, max_model_len: int | None, peers: WorkerLink | WorkerGroup | None
     ) -> None:
+        from modelfleet.dataplane.attention.kv_quant import resolve_kv_cache_dtype
         from modelfleet.dataplane.models import kv_cache_block_bytes, load_model, num_local_kv_heads
 
         tp_size = config.tensor_parallel_size
@@ -123,12 +124,15 @@ class ModelRunner:
             else:  # the ranks share the cores
                 torch.set_num_threads(max(1, cpu_threads() // tp_size))
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # Checked before the weights load: a GPU without fp8 refuses at once.
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(config.model, device=self.device, dtype=self.dtype, tp=self.tp)
         self.model_config = self.model.config
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
 
-        self.block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.dtype, tp_size)
+        # The cache's element size sets the block count: an fp8 cache holds twice bf16's blocks.
+        self.block_bytes = kv_cache_block_bytes(self.model_config, self.block_size, self.kv_dtype, tp_size)
         budget = self._kv_cache_budget(config)
         # Blocks beyond what max_num_seqs sequences of max_model_len tokens can fill would never be used.
         max_useful = config.max_num_seqs * -(-self.max_model_len // self.block_size)
@@ -144,14 +148,14 @@ class ModelRunner:
         mc = self.model_config
         kv_heads = num_local_kv_heads(mc, tp_size)
         shape = (mc.num_layers, 2, self.num_blocks, self.block_size, kv_heads, mc.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         logger.info(
             "KV cache: %d blocks of %d tokens, %.1f MiB (%s, %s); budget %.1f MiB",
             self.num_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             budget / 2**20,
         )

@@ -202,7 +202,8 @@ class DraftProposer:
             num_local_kv_heads(mc, 1),
             mc.head_dim,
         )
-        self.kv_caches = list(torch.zeros(shape, dtype=runner.dtype, device=runner.device).unbind(0))
+        # In the target's cache dtype: the engine split the KV budget between the two by block bytes.
+        self.kv_caches = list(torch.zeros(shape, dtype=runner.kv_dtype, device=runner.device).unbind(0))
         # The draft's one-token forwards (all but a step's first) in CUDA graphs, on a GPU.
         self.graphs: DecodeGraphRunner | None = None
         if cuda_graphs and runner.device.type == "cuda":

@@ -8,6 +8,8 @@ the GPU when batch x KV heads is small. The split length is derived from each se
 kernel, so the launch shape depends only on sizes, never on data (safe to capture in a CUDA graph).
 With programmatic dependent launch (Hopper and newer) both kernels are scheduled while their predecessor
 drains, wait for it before their first load, and release their successor once their inputs are read.
+An fp8 (e4m3) cache is read as the query's dtype (exact); k_scale folds into the scores' scale and
+v_scale multiplies the output, so nothing is dequantized element by element.
 """
 
 import functools
@@ -16,6 +18,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from modelfleet.dataplane.attention.kv_quant import check_scale, is_fp8
 from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 
 LOG2_E = 1.4426950408889634
@@ -38,6 +41,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale_log2,
+    v_scale,
     num_splits,
     window,
     stride_qt,
@@ -57,6 +61,7 @@ def _decode_split_kernel(
     ONE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,6 +103,8 @@ def _decode_split_kernel(
         )
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(pos_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -105,6 +112,8 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     if USE_PDL:
@@ -112,6 +121,8 @@ def _decode_split_kernel(
 
     has_keys = l_i > 0.0
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if FP8_KV:  # the merge of splits is linear in their outputs: scaling each part scales the result
+        acc = acc * v_scale
     out_mask = head_mask[:, None] & dim_mask[None, :]
     if ONE_SPLIT:
         tl.store(
@@ -206,13 +217,16 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence (token query_start_loc[b] of q [T, Hq, D]) over its KV.
 
     `sliding_window` W: each query sees only keys at positions p-W+1..p.
     `max_seq_len` only steers the number of splits (default: the block table's capacity, which stays
     fixed for a captured CUDA graph); `num_splits` overrides the choice. `block_n` (KV tokens per tile),
-    `num_warps` and `num_stages` are tuning knobs.
+    `num_warps` and `num_stages` are tuning knobs. k_scale / v_scale: the layer's KV scales, used by
+    an fp8 cache only.
     """
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
@@ -221,6 +235,10 @@ def decode_attention(
         raise ValueError(f"decode_attention: {num_heads} query heads are not a multiple of {num_kv_heads}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("decode_attention: q and kv_cache need a contiguous last (head_dim) dimension")
+    fp8_kv = is_fp8(kv_cache)
+    # the score scale with k_scale folded in (exactly the old value without an fp8 cache)
+    scale_log2 = scale * LOG2_E * (check_scale("k_scale", k_scale) if fp8_kv else 1.0)
+    v_scale = check_scale("v_scale", v_scale)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -252,7 +270,8 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        scale * LOG2_E,
+        scale_log2,
+        v_scale,
         num_splits,
         sliding_window or 0,
         q.stride(0),
@@ -272,6 +291,7 @@ def decode_attention(
         ONE_SPLIT=one_split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_PDL=use_pdl,
+        FP8_KV=fp8_kv,
         num_warps=num_warps,
         num_stages=num_stages or (3 if q.element_size() <= 2 else 2),
         launch_pdl=use_pdl,

@@ -5,12 +5,13 @@ q_len of its seq_len tokens, so the first seq_len - q_len are context already in
 hit or earlier chunks of a chunked prefill). A program owns one tile of BLOCK_Q query tokens of one
 sequence for one KV head and packs the query heads of that KV head into the rows of its tile
 (BLOCK_M = BLOCK_Q x group), so each K/V tile read from the cache serves the whole group. Decode tokens
-in a mixed batch are just sequences with q_len = 1.
+in a mixed batch are just sequences with q_len = 1. An fp8 cache is read as decode_attention.py reads it.
 """
 
 import torch
 import triton
 import triton.language as tl
+from modelfleet.dataplane.attention.kv_quant import check_scale, is_fp8
 from modelfleet.dataplane.kernels.availability import next_power_of_2
 
 LOG2_E = 1.4426950408889634
@@ -26,6 +27,7 @@ def _extend_kernel(
     query_start_loc_ptr,
     out_ptr,
     scale_log2,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -43,6 +45,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -88,6 +91,8 @@ def _extend_kernel(
         )
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            k = k.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
         visible &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
@@ -99,10 +104,14 @@ def _extend_kernel(
         p = tl.exp2(scores - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if FP8_KV:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if FP8_KV:
+        acc = acc * v_scale
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
         acc.to(out_ptr.dtype.element_ty),
@@ -121,9 +130,12 @@ def extend_attention(
     *,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (all sequences' new tokens, flattened) over the paged KV cache,
-    which already holds this step's K/V. `sliding_window` W: keys at positions p-W+1..p only."""
+    which already holds this step's K/V. `sliding_window` W: keys at positions p-W+1..p only.
+    k_scale / v_scale: the layer's KV scales, used by an fp8 cache only."""
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
@@ -131,6 +143,9 @@ def extend_attention(
         raise ValueError(f"extend_attention: {num_heads} query heads are not a multiple of {num_kv_heads}")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("extend_attention: q and kv_cache need a contiguous last (head_dim) dimension")
+    fp8_kv = is_fp8(kv_cache)
+    scale_log2 = scale * LOG2_E * (check_scale("k_scale", k_scale) if fp8_kv else 1.0)
+    v_scale = check_scale("v_scale", v_scale)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0 or max_query_len == 0:
         return out
@@ -149,7 +164,8 @@ def extend_attention(
         seq_lens,
         query_start_loc,
         out,
-        scale * LOG2_E,
+        scale_log2,
+        v_scale,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -167,6 +183,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_KV=fp8_kv,
         num_warps=4,
         num_stages=2,
     )

@@ -3,13 +3,16 @@ straight to its slot, saving a launch and a re-read of K per layer (decode is la
 
 The rotation is rotary.py's `_rotate_heads`, so q and k round exactly as `rotary_embedding` does; the
 cache write stores what kv_write.py's `write_kv` would, and skips padding rows (negative slot) alike.
+An fp8 cache stores K / k_scale and V / v_scale as kv_write.py does.
 Programmatic dependent launch as in rotary.py: wait before the first load, successor released at once.
 """
 
 import torch
 import triton
 import triton.language as tl
+from modelfleet.dataplane.attention.kv_quant import check_scale, is_fp8
 from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
+from modelfleet.dataplane.kernels.kv_write import fp8_scaled
 from modelfleet.dataplane.kernels.rotary import _load_cos_sin, _rotate_heads, check_rotary_args
 
 
@@ -40,6 +43,8 @@ def _rotary_kv_write_kernel(
     stride_cache_block,
     stride_cache_token,
     stride_cache_head,
+    k_inv_scale,
+    v_inv_scale,
     num_heads,
     num_kv_heads,
     HALF: tl.constexpr,
@@ -48,6 +53,7 @@ def _rotary_kv_write_kernel(
     BLOCK_HK: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     if USE_PDL:  # q, k, v, cos, sin and the slots come from earlier kernels (or copies)
@@ -74,11 +80,17 @@ def _rotary_kv_write_kernel(
             + dims
         )
         cache_dtype = k_cache_ptr.dtype.element_ty
+        if FP8_KV:
+            k1 = fp8_scaled(k1, k_inv_scale)
+            k2 = fp8_scaled(k2, k_inv_scale)
         tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
         tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
         src = v_ptr + token * stride_vt + heads * stride_vh + dims
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
+        if FP8_KV:
+            v1 = fp8_scaled(v1, v_inv_scale)
+            v2 = fp8_scaled(v2, v_inv_scale)
         tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -93,12 +105,16 @@ def rotary_and_write_kv(
     slot_mapping: torch.Tensor,
     *,
     inplace: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary_embedding(q, k, cos, sin)` then `write_kv(k_rotated, v, kv_cache, slot_mapping)`, in one
     launch and with the same results. q [T, Hq, D], k and v [T, Hkv, D] (strided views of a fused qkv
     are fine), cos/sin [T, D/2], kv_cache [2, num_blocks, block_size, Hkv, D], slot_mapping int64 [T]
     (negative: padding, not written). Returns the rotated (q, k): new tensors, or q and k themselves
-    when `inplace`. Reads nothing on the host, so it can run inside a captured CUDA graph."""
+    when `inplace`. k_scale / v_scale: the layer's KV scales, used by an fp8 cache only (the returned k
+    is the rotated k, not its fp8 rounding). Reads nothing on the host, so it can run inside a captured
+    CUDA graph."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     half = head_dim // 2
@@ -153,6 +169,8 @@ def rotary_and_write_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        1.0 / check_scale("k_scale", k_scale),
+        1.0 / check_scale("v_scale", v_scale),
         num_heads,
         num_kv_heads,
         HALF=half,
@@ -161,6 +179,7 @@ def rotary_and_write_kv(
         BLOCK_HK=next_power_of_2(num_kv_heads),
         PAGE_SIZE=kv_cache.shape[2],
         USE_PDL=use_pdl,
+        FP8_KV=is_fp8(kv_cache),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
         launch_pdl=use_pdl,
     )

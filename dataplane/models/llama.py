@@ -43,6 +43,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx] if config.sliding_windows else None
+        # Static KV scales of an fp8 KV cache (kv_cache_dtype fp8; see attention/kv_quant.py for why 1.0).
+        self.k_scale = self.v_scale = 1.0
         self.backend = backend
         quant = config.quantization.format if config.quantization else None
         split = None
@@ -92,9 +94,13 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.backend.rope_and_write_kv(q, k, v, rotary, cos, sin, kv_cache, attn_metadata.slot_mapping)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        q, k = self.backend.rope_and_write_kv(
+            q, k, v, rotary, cos, sin, kv_cache, attn_metadata.slot_mapping, **scales
+        )
+        window = self.sliding_window
         out = self.backend.forward(
-            q, kv_cache, attn_metadata, self.scale, key=k, value=v, sliding_window=self.sliding_window
+            q, kv_cache, attn_metadata, self.scale, key=k, value=v, sliding_window=window, **scales
         )
         out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -25,6 +25,12 @@ CASES = [
     "test_kernel_rotary_kv_write.py::test_matches_rotary_then_write_kv[7-14-2-64-dtype2]",
     "test_kernel_decode_attention.py::test_decode_matches_reference[short-64-12-2-dtype2]",
     "test_kernel_extend_attention.py::test_extend_matches_reference[mixed-64-12-2-dtype2]",
+    # fp8 KV cache reads only: Triton 3.7's interpreter rounds float32 -> e4m3 without carrying a mantissa
+    # overflow into the exponent (1.98 -> 1.0), so the fp8 writes are checked on a GPU and the CPU's
+    # quantize (attention/kv_quant.py) in tests/dataplane/engine/test_fp8_kv_cache.py.
+    "test_kernel_fp8_kv.py::test_decode_reads_the_dequantized_cache[12-2-64-4-0.004-0.0075-dtype1]",
+    "test_kernel_fp8_kv.py::test_extend_reads_the_dequantized_cache[12-2-64-0.004-0.0075-dtype1]",
+    "test_kernel_fp8_kv.py::test_bad_scales_are_refused",
     "test_kernel_sampling.py::test_greedy_is_torch_argmax[False-1000-3-dtype2]",
     "test_kernel_sampling.py::test_nan_rows_are_flagged_and_others_not[1000-dtype2]",
 ]
