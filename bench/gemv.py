@@ -40,6 +40,7 @@ SHAPES = [
     ("llama-1b", "o_proj", 2048, 2048),
     ("llama-1b", "gate_up_proj", 16384, 2048),
     ("llama-1b", "down_proj", 2048, 8192),
+    ("llama-1b", "lm_head", 128256, 2048),  # its tied embeddings, as a quantized lm_head reads them
     ("llama-8b", "qkv_proj", 6144, 4096),
     ("llama-8b", "o_proj", 4096, 4096),
     ("llama-8b", "gate_up_proj", 28672, 4096),
