@@ -1,13 +1,20 @@
 """Structured output's cost per decode step on the host, against plain decoding of the same prompts.
 
-A demo model (the tiny one by default) on the CPU, N sequences in steady decode, first plain (EOS
-ignored), then constrained by bench/serve.py's long JSON schema (no answer ends within the run, so every
-step masks every row). Prints one JSON line per mode with the median wall and thread-CPU milliseconds of
-a whole `LLMEngine.step()` and of its structured part: the time spent in the sampler's grammar call
-(`GrammarMasks.apply`: advancing the matchers, filling, copying and applying the bitmask) and in any
-`GrammarMatcher.accept_token` made outside it.
+A demo model (the tiny one by default) on the CPU or a GPU, N sequences in steady decode, first plain
+(EOS ignored), then constrained by bench/serve.py's long JSON schema (no answer ends within the run, so
+every step masks every row). Prints one JSON line per mode with the median and mean wall (and
+thread-CPU) milliseconds of a whole `LLMEngine.step()` and of its structured part: the time in the
+sampler's grammar call (`GrammarMasks.apply`) and in any `GrammarMatcher.accept_token` outside it, then
+that part's pieces: `wait` (reading back the previous step's tokens: the device's time), `accept` (the
+matchers' accept_token), `fill` (xgrammar's batched bitmask fill), `mask` (the masking, queued on a GPU),
+and `structured_host` (the structured part less its wait).
 
     python bench/structured_overhead.py --num-seqs 64 --steps 100
+    python bench/structured_overhead.py --vocab 128256 --num-seqs 64 --steps 60   # /tmp/m1b's vocabulary
+    python bench/structured_overhead.py --vocab 128256 --device cuda --num-seqs 64 --steps 200
+
+--vocab N: the tiny model's layers with the demo tokenizer (~2.2k tokens) padded to N ids, eos at N-255:
+the vocabulary of bench/throughput.py's presets as bench/serve.py serves them with the demo tokenizer.
 
 On the CPU the model runs on the same host, so what this shows is the host time of the structured
 parts; the overlap of that work with the device's step shows only on a GPU (bench/serve.py --structured).
@@ -21,6 +28,17 @@ most of it, the matchers' accept_token about 0.14 ms and the CPU masking about 0
 shows on a GPU only: before, the device sat idle while the host processed a step's tokens before the
 next launch, and the bitmask's blocking copy waited for the forward; now the host does all of it while
 the device computes the next forward.
+
+With a 128256-id vocabulary around the 2.2k-token demo tokenizer (--vocab 128256, 64 sequences, 60
+steps, means, two runs each, the machine loaded by others: wall times are loose), the grammar once
+worked in all 128256 ids, and xgrammar handles each id without text as a special token in every fill
+and accept: accept_token 34 us instead of 1 us, ~150 us more per row in a fill. Before (the grammar over
+the model's ids): structured part 76-86 ms a step, of it accept 2.7-3.6 ms, fill 14.4-16.9 ms and the
+CPU masking of 128k columns 59-64 ms (xgrammar's CPU kernel; a Triton kernel on a GPU); thread-CPU 43
+ms. After (the tokenizer's ids and the far eos, the padded ids masked apart): 12.6-14.4 ms, of it accept
+0.4-0.6 ms, fill 5.4-5.8 ms, masking 6.4-7.7 ms; thread-CPU 8.2-8.4 ms. The fill left is xgrammar's own
+cost in this schema's maxLength-12 strings (100-350 us a row after a few characters, every row at once
+here since the random model repeats one string); xgrammar's threads share it (MODELFLEET_GRAMMAR_THREADS).
 """
 
 from __future__ import annotations
@@ -38,44 +56,86 @@ import torch
 from serve import LONG_SCHEMA
 
 
-class StructuredTimer:
-    """Accumulates the time spent in the structured entry points while installed."""
+class PartTimer:
+    """Accumulates, per name, the time spent in the functions installed under it; a call nested in
+    another of the same name counts once. A part given `within` counts only inside that part."""
 
     def __init__(self) -> None:
-        self.wall = 0.0
-        self.cpu = 0.0
-        self._depth = 0
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._depth: dict[str, int] = {}
 
-    def wrap(self, fn):
+    def wrap(self, fn, name: str, within: str | None = None):
+        self.wall.setdefault(name, 0.0)
+        self.cpu.setdefault(name, 0.0)
+
         def timed(*args, **kwargs):
-            if self._depth:  # nested: the outer call counts it already
+            if self._depth.get(name) or (within is not None and not self._depth.get(within)):
                 return fn(*args, **kwargs)
-            self._depth += 1
+            self._depth[name] = 1
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.wall += time.perf_counter() - wall
-                self.cpu += time.thread_time() - cpu
-                self._depth -= 1
+                self.wall[name] += time.perf_counter() - wall
+                self.cpu[name] += time.thread_time() - cpu
+                self._depth[name] = 0
 
         return timed
 
-    def take(self) -> tuple[float, float]:
-        taken = (self.wall, self.cpu)
-        self.wall = self.cpu = 0.0
+    def take(self) -> dict[str, float]:
+        """Wall seconds per part since the last take (and "structured_cpu": its thread time)."""
+        taken = {**self.wall, "structured_cpu": self.cpu.get("structured", 0.0)}
+        self.wall = dict.fromkeys(self.wall, 0.0)
+        self.cpu = dict.fromkeys(self.cpu, 0.0)
         return taken
 
 
-def install(timer: StructuredTimer) -> None:
+def install(timer: PartTimer) -> None:
+    """structured: the sampler's grammar call and any accept_token outside it; within it, wait: reading
+    back the previous step's tokens (the device's time, not the host's), accept: the matchers'
+    accept_token, fill: xgrammar's bitmask fill, mask: queuing (on a GPU) or running (on the CPU) the
+    masking, the padded ids' included."""
     import xgrammar
-    from modelfleet.dataplane.engine.structured import GrammarMasks
+    from modelfleet.dataplane.engine import structured
+    from modelfleet.dataplane.engine.sampler import SampledBatch
 
-    GrammarMasks.apply = timer.wrap(GrammarMasks.apply)
-    xgrammar.GrammarMatcher.accept_token = timer.wrap(xgrammar.GrammarMatcher.accept_token)
+    masks = structured.GrammarMasks
+    masks.apply = timer.wrap(masks.apply, "structured")
+    matcher = xgrammar.GrammarMatcher
+    matcher.accept_token = timer.wrap(timer.wrap(matcher.accept_token, "accept"), "structured")
+    SampledBatch.host_token_ids = timer.wrap(SampledBatch.host_token_ids, "wait", within="structured")
+    batch = xgrammar.BatchGrammarMatcher
+    batch.batch_fill_next_token_bitmask = timer.wrap(batch.batch_fill_next_token_bitmask, "fill")
+    xgrammar.apply_token_bitmask_inplace = timer.wrap(xgrammar.apply_token_bitmask_inplace, "mask")
+    padding = getattr(structured, "_PaddingMask", None)  # absent before the padded ids were split off
+    if padding is not None:
+        padding.apply = timer.wrap(padding.apply, "mask")
 
 
-def run_mode(engine, timer: StructuredTimer, mode: str, args, vocab: int) -> dict:
+def padded_demo_model(out_dir: Path, vocab_size: int, tokenizer_vocab: int | None = None) -> Path:
+    """The tiny demo model's layers around the demo tokenizer trained for `tokenizer_vocab` ids (default
+    `vocab_size`; the corpus yields ~2.2k), its vocabulary padded to `vocab_size` rows with bos/eos at
+    vocab_size - 256/255: the shape of bench/throughput.py's presets with the demo tokenizer (128256
+    ids, eos 128001, as Llama 3)."""
+    from modelfleet.dataplane.demo import tokenizer as demo_tokenizer
+    from modelfleet.dataplane.demo.model import SIZES, llama_config, random_weights
+    from safetensors.torch import save_file
+
+    tokenizer = demo_tokenizer.train_tokenizer(out_dir, tokenizer_vocab or vocab_size)
+    if tokenizer.get_vocab_size() + 256 > vocab_size:
+        raise ValueError(f"--vocab {vocab_size}: leaves no padded ids past the ~2.2k-token tokenizer")
+    bos, eos = vocab_size - 256, vocab_size - 255
+    size = SIZES["tiny"]
+    names = (demo_tokenizer.BOS, demo_tokenizer.EOS, demo_tokenizer.IM_END, demo_tokenizer.PAD)
+    config = llama_config(size, vocab_size, dict.fromkeys(names, eos))
+    config.update(bos_token_id=bos, eos_token_id=eos, pad_token_id=None)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(random_weights(size, vocab_size, seed=0), str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
     from modelfleet.dataplane.sampling_params import SamplingParams
 
     max_tokens = args.warmup + args.steps + 8
@@ -105,19 +165,28 @@ def run_mode(engine, timer: StructuredTimer, mode: str, args, vocab: int) -> dic
         wall, cpu = time.perf_counter(), time.thread_time()
         engine.step()
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-        samples.append((wall, cpu, *timer.take()))
+        parts = timer.take()
+        # The host's own structured time: the grammar call less its wait for the device's tokens.
+        parts["structured_host"] = parts["structured"] - parts["wait"]
+        samples.append({"step_wall": wall, "step_cpu": cpu, **parts})
     assert len(engine.scheduler.running) == args.num_seqs, "a sequence finished early"
     for i in range(args.num_seqs):
         engine.abort(f"{mode}-{i}")
     while engine.has_unfinished_requests() or engine._launched is not None:
         engine.step()
-    keys = ("step_wall", "step_cpu", "structured_wall", "structured_cpu")
-    medians = {
-        f"{k}_ms": round(statistics.median(s[j] for s in samples) * 1e3, 3) for j, k in enumerate(keys)
-    }
+    # Medians resist the other processes of a shared machine; means count the costly steps of a
+    # grammar (1 in 4 here) that a median hides, and make the throughput.
+    names = {"structured": "structured_wall"}
+    medians = {}
+    for key in samples[0]:
+        values = [s[key] * 1e3 for s in samples]
+        medians[f"{names.get(key, key)}_ms"] = round(statistics.median(values), 3)
+        medians[f"{names.get(key, key)}_mean_ms"] = round(statistics.fmean(values), 3)
     return {
         "bench": "structured_overhead",
         "mode": mode,
+        "device": args.device,
+        "model_vocab": vocab,
         "num_seqs": args.num_seqs,
         "steps": args.steps,
         **medians,
@@ -131,20 +200,34 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint; default: the tiny demo")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="instead of --model: the tiny demo's layers, its tokenizer padded to this many ids (128256: "
+        "bench/throughput.py's presets with the demo tokenizer)",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
     args = parser.parse_args()
+    if args.model is not None and args.vocab is not None:
+        parser.error("--model and --vocab are alternatives")
 
     from modelfleet.dataplane.demo import create_demo_model
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
-    timer = StructuredTimer()
+    timer = PartTimer()
     install(timer)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or create_demo_model(Path(tmp) / "tiny", size="tiny")
+        if args.vocab is not None:
+            model_dir = padded_demo_model(Path(tmp) / f"padded-{args.vocab}", args.vocab)
+        else:
+            model_dir = args.model or create_demo_model(Path(tmp) / "tiny", size="tiny")
         engine = LLMEngine.from_kwargs(
             str(model_dir),
-            device="cpu",
-            dtype="float32",
+            device=args.device,
+            dtype=args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
             max_num_seqs=args.num_seqs,
             max_num_batched_tokens=max(2048, args.num_seqs * args.prompt_len),
             max_model_len=1024,
