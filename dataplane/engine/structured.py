@@ -15,6 +15,10 @@ Where the work happens:
   n+1 runs on the device while the host waits for step n's tokens and fills n+1's masks); then one
   batched fill of a reused bitmask, one copy of it to the device and one masking kernel.
 
+The grammars work in the tokenizer's ids, not the model's padded vocabulary (`GrammarVocab`): xgrammar
+spends time on every id without text in each fill and accept, ~150 us a row with a 2k-token tokenizer
+padded to 128k ids, so the ids past the tokenizer are masked apart, on the device.
+
 xgrammar is imported on first use: an engine that never sees a constrained request never loads it."""
 
 from __future__ import annotations
@@ -66,6 +70,54 @@ def check_structured(structured: tuple[str, str], tokenizer: Any) -> None:
         raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class GrammarVocab:
+    """The ids a grammar works in. A model's vocabulary is often padded past its tokenizer's (to a
+    multiple of 64, or a 128k-id checkpoint around a small tokenizer): ids without text that no grammar
+    allows. A grammar sees the tokenizer's ids as they are, then any stop id past them (grammar id
+    `tokenizer_size + j` stands for `far_stops[j]`); the rest of a row is masked apart."""
+
+    model_size: int  # the logits' width
+    tokenizer_size: int  # ids below it are the same in the grammar and the model
+    far_stops: tuple[int, ...] = ()  # stop ids in [tokenizer_size, model_size), sorted
+
+    @classmethod
+    def of(cls, tokenizer: Any, model_size: int, stop_token_ids: Any) -> GrammarVocab:
+        ids = tokenizer.get_vocab().values()
+        # As xgrammar counts a tokenizer (ids may have gaps), never past the model's rows.
+        tokenizer_size = min(model_size, max(len(ids), max(ids) + 1))
+        far = tuple(sorted(t for t in set(stop_token_ids) if tokenizer_size <= t < model_size))
+        return cls(model_size, tokenizer_size, far)
+
+    @property
+    def size(self) -> int:
+        """How many ids the grammar knows (the bitmask's bits)."""
+        return self.tokenizer_size + len(self.far_stops)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the model has ids past the grammar's, or stop ids moved (masked apart either way)."""
+        return self.size < self.model_size
+
+    def grammar_id(self, token: int) -> int:
+        """The grammar's id of a model's token; one past the grammar's ids (a rejected token) for an id
+        without text."""
+        if token < self.tokenizer_size:
+            return token
+        try:
+            return self.tokenizer_size + self.far_stops.index(token)
+        except ValueError:
+            return self.size
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSchema:
+    """A schema's compiled grammar, with the ids it works in."""
+
+    grammar: Any  # an xgrammar.CompiledGrammar
+    vocab: GrammarVocab
+
+
 class Grammars:
     """Compiles the grammars of one engine's tokenizer on a worker thread, one compile per schema."""
 
@@ -76,6 +128,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
+        self.vocab: GrammarVocab | None = None  # with the compiler
         self._compiler: Any = None
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
@@ -95,27 +148,32 @@ class Grammars:
                 self._compiled.popitem(last=False)
             return future
 
-    def _compile(self, structured: tuple[str, str]) -> Any:
+    def _compile(self, structured: tuple[str, str]) -> CompiledSchema:
         compiler = self._compiler or self._make_compiler()
+        assert self.vocab is not None  # made with the compiler
         try:
-            return compiler.compile_json_schema(_schema(structured), any_whitespace=False)
+            grammar = compiler.compile_json_schema(_schema(structured), any_whitespace=False)
         except Exception as exc:
             raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
+        return CompiledSchema(grammar, self.vocab)
 
     @staticmethod
-    def matcher(compiled: Any, params: SamplingParams) -> SequenceGrammar:
+    def matcher(compiled: CompiledSchema, params: SamplingParams) -> SequenceGrammar:
         """A fresh matcher for one sequence, from a compiled grammar (cheap: on the engine thread)."""
         import xgrammar
 
-        return SequenceGrammar(xgrammar.GrammarMatcher(compiled), params)
+        return SequenceGrammar(xgrammar.GrammarMatcher(compiled.grammar), params, compiled.vocab)
 
     def _make_compiler(self) -> Any:
         if self.tokenizer is None:
             raise ValueError("response_format: structured output needs the model's tokenizer")
         xgrammar = _xgrammar()
+        vocab = GrammarVocab.of(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        stops = [vocab.grammar_id(t) for t in self.stop_token_ids if t < self.vocab_size]
         info = xgrammar.TokenizerInfo.from_huggingface(
-            self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+            self.tokenizer, vocab_size=vocab.size, stop_token_ids=stops or None
         )
+        self.vocab = vocab
         self._compiler = xgrammar.GrammarCompiler(info)
         return self._compiler
 
@@ -127,13 +185,21 @@ class SequenceGrammar:
     """One sequence's matcher and how many of its output tokens it has accepted (it follows the tokens
     when its sequence next samples, so tokens still in flight need no wait before that)."""
 
-    __slots__ = ("matcher", "num_accepted", "temperature_only")
+    __slots__ = ("matcher", "num_accepted", "temperature_only", "vocab")
 
-    def __init__(self, matcher: Any, params: SamplingParams) -> None:
+    def __init__(self, matcher: Any, params: SamplingParams, vocab: GrammarVocab) -> None:
         self.matcher = matcher
         self.num_accepted = 0
+        self.vocab = vocab
         # Sampling needs nothing but a temperature once the mask is applied: the fused sampler's rows.
         self.temperature_only = dataclasses.replace(params, structured=None).temperature_only
+
+    def accept(self, token: int) -> None:
+        """Follows one sampled token. A rejected token (a failed row's) is ignored: that row's request
+        ends with its error."""
+        vocab = self.vocab
+        self.matcher.accept_token(token if token < vocab.tokenizer_size else vocab.grammar_id(token))
+        self.num_accepted += 1
 
 
 # Rows of bitmask kept for reuse, at least; the buffers grow with the batch.
@@ -166,6 +232,7 @@ class GrammarMasks:
         self._host: torch.Tensor | None = None
         self._device: torch.Tensor | None = None
         self._copied: Any = None  # a CUDA event once a copy was queued
+        self._padding: _PaddingMask | None = None
 
     def apply(
         self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledBatch | None
@@ -174,13 +241,16 @@ class GrammarMasks:
         the sampler's batch before this one, which holds any token still in flight of these rows."""
         # A terminated matcher (it has accepted its end) has no next token to allow; its sequence is
         # ending, and this row's token is dropped.
-        live = [(i, m) for i, m in _follow_tokens(seqs, previous) if not m.is_terminated()]
+        live = [(i, g) for i, g in _follow_tokens(seqs, previous) if not g.matcher.is_terminated()]
         if not live:
             return logits
         rows = [i for i, _ in live]
-        num_rows, vocab = logits.shape
-        host = self._host_buffer(num_rows, vocab, logits.device)
-        self._filler.batch_fill_next_token_bitmask([m for _, m in live], host, indices=rows)
+        vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
+        num_rows, width = logits.shape
+        if width != vocab.model_size:
+            raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
+        host = self._host_buffer(num_rows, vocab.size, logits.device)
+        self._filler.batch_fill_next_token_bitmask([g.matcher for _, g in live], host, indices=rows)
         logits = logits.contiguous()
         bitmask = host[:num_rows]
         if logits.device.type != "cpu":
@@ -189,7 +259,12 @@ class GrammarMasks:
             self._copied.record()
         # Every row constrained (the usual batch of one schema): no indices to send along.
         indices = None if len(rows) == num_rows else rows
-        self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+        direct = vocab.tokenizer_size if vocab.padded else vocab.size
+        self._xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=direct, indices=indices)
+        if vocab.padded:
+            if self._padding is None or self._padding.vocab != vocab or self._padding.device != logits.device:
+                self._padding = _PaddingMask(vocab, logits.device)
+            self._padding.apply(logits, bitmask, indices)
         return logits
 
     def _host_buffer(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -213,31 +288,56 @@ class GrammarMasks:
         return host
 
 
-def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, Any]]:
-    """Brings each constrained row's matcher up to the token it samples now; (row, matcher) pairs.
+class _PaddingMask:
+    """Masks a padded model's ids past its grammars' (see GrammarVocab): all of them, but a far stop id
+    where its row's bitmask allows its grammar id. A few small kernels, no wait on the device."""
+
+    def __init__(self, vocab: GrammarVocab, device: torch.device) -> None:
+        import torch
+
+        self.vocab = vocab
+        self.device = device
+        grammar_ids = torch.arange(vocab.tokenizer_size, vocab.size, dtype=torch.int32)
+        self._far = torch.tensor(vocab.far_stops, dtype=torch.long).to(device)
+        self._words = (grammar_ids // 32).long().to(device)
+        self._shifts = (grammar_ids % 32).to(device)
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None) -> None:
+        import torch
+
+        rows: Any = slice(None)
+        if indices is not None:
+            rows = torch.tensor(indices, dtype=torch.long).to(logits.device, non_blocking=True)
+        far_cells = (rows if indices is None else rows.unsqueeze(1), self._far)
+        if self.vocab.far_stops:
+            allowed = ((bitmask[rows][:, self._words] >> self._shifts) & 1).bool()
+            kept = torch.where(allowed, logits[far_cells], -torch.inf)
+        logits[rows, self.vocab.tokenizer_size :] = -torch.inf
+        if self.vocab.far_stops:
+            logits[far_cells] = kept
+
+
+def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, SequenceGrammar]]:
+    """Brings each constrained row's matcher up to the token it samples now; (row, grammar) pairs.
     A row's tokens before this step are on the host but the last, which may still be in flight (a row
     counts this step's token in flight too): it is read from `previous` at the row's sample_row."""
-    matchers = []
+    grammars = []
     inflight: list[int] | None = None
     for i, seq in enumerate(seqs):
         grammar = seq.grammar
         if grammar is None:
             continue
-        matcher = grammar.matcher
-        matchers.append((i, matcher))
+        grammars.append((i, grammar))
         known = seq.output_token_ids
         target = len(known) + seq.num_inflight - 1
-        # One accept_token per token: faster here than BatchGrammarMatcher.batch_accept_token, whose
-        # per-call overhead outweighs one token per row. A rejected token (a failed row's) is ignored:
-        # that row's request ends with its error.
+        # One accept per token: faster here than BatchGrammarMatcher.batch_accept_token, whose per-call
+        # overhead outweighs one token per row.
         while grammar.num_accepted < min(target, len(known)):
-            matcher.accept_token(known[grammar.num_accepted])
-            grammar.num_accepted += 1
+            grammar.accept(known[grammar.num_accepted])
         if grammar.num_accepted < target:
             if previous is None:
                 raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
             if inflight is None:
                 inflight = previous.host_token_ids()
-            matcher.accept_token(inflight[seq.sample_row])
-            grammar.num_accepted += 1
-    return matchers
+            grammar.accept(inflight[seq.sample_row])
+    return grammars

@@ -48,9 +48,9 @@ def batch() -> tuple[list[str], list[SamplingParams]]:
 def allowed_throughout(llm: LLM, structured: tuple[str, str], token_ids: list[int]) -> bool:
     """Whether a fresh matcher accepts every token in order (each was allowed where it was sampled)."""
     engine = llm.engine
-    grammar = engine._grammars.compile(structured).result()
-    matcher = xgrammar.GrammarMatcher(grammar)
-    return all(matcher.accept_token(t) for t in token_ids)
+    compiled = engine._grammars.compile(structured).result()
+    matcher = xgrammar.GrammarMatcher(compiled.grammar)
+    return all(matcher.accept_token(compiled.vocab.grammar_id(t)) for t in token_ids)
 
 
 def check_overlap_and_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
