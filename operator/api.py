@@ -201,6 +201,12 @@ class Engine(_Model):
         description="Host memory in bytes for prefix-cache KV blocks evicted from the device, copied back "
         "when a prompt's prefix hits them; 0 (default) is off.",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto",
+        description="KV-cache element type: auto (the model's dtype) or fp8 (float8 e4m3, a static scale per "
+        "layer for K and V: about twice the sequences in the same memory, logits within a small tolerance; "
+        "GPUs of compute capability >= 8.9 such as L4, H100, H200, emulated on cpu).",
+    )
     speculative: Speculative = Field(default_factory=Speculative)
 
 

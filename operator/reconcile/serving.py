@@ -39,6 +39,8 @@ def engine_settings(spec: InferenceModelSpec, draft_artifact: str | None = None)
         engine["kv_cache_bytes"] = spec.engine.kv_cache_bytes
     if spec.engine.host_kv_cache_bytes:
         engine["host_kv_cache_bytes"] = spec.engine.host_kv_cache_bytes
+    if spec.engine.kv_cache_dtype != "auto":
+        engine["kv_cache_dtype"] = spec.engine.kv_cache_dtype
     if spec.hardware.count > 1:
         # One model split over the pod's devices (it requests that many), or on cpu over that many engine
         # processes (gloo); one device needs no setting.

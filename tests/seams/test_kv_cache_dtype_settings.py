@@ -1,0 +1,53 @@
+"""spec.engine.kvCacheDtype from an InferenceModel to the data plane's engine: the operator renders it into
+the serving manifest, the server's loader builds the engine config from it, and the engine then keeps its
+KV cache in e4m3 (emulated on the CPU): four times float32's blocks in the same kvCacheBytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from modelfleet.dataplane import LLM, SamplingParams
+from modelfleet.operator.api import Engine
+from pydantic import ValidationError
+
+from tests.seams.test_speculative_settings import served_engine_config, version
+
+KV_CACHE_BYTES = 1 << 19  # 64 float32 blocks of the tiny model: below what 4 sequences could fill
+
+
+def inference_model(engine: dict) -> dict:
+    return {
+        "apiVersion": "modelfleet.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": "chat", "namespace": "team-a", "uid": "u-1", "generation": 1},
+        "spec": {
+            "hardware": {"accelerator": "cpu", "count": 1},
+            "engine": {"maxNumSeqs": 4, "kvCacheBytes": KV_CACHE_BYTES, **engine},
+            "traffic": [{"version": "v1", "weight": 100}],
+        },
+    }
+
+
+def test_fp8_reaches_the_engine_and_its_cache(tiny_model_dir):
+    mvs = [version("chat-v1", "v1", str(tiny_model_dir))]
+    runners = {}
+    for value in ("auto", "fp8"):
+        config, kwargs = served_engine_config(inference_model({"kvCacheDtype": value}), mvs)
+        assert config.kv_cache_dtype == value
+        assert ("kv_cache_dtype" in kwargs) == (value == "fp8")  # the default is left unsaid
+        llm = LLM(config.model, device="cpu", dtype="float32", **kwargs)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 4
+        runners[value] = llm.engine.runner
+    assert runners["auto"].kv_cache.dtype == torch.float32
+    assert runners["fp8"].kv_cache.dtype == torch.float8_e4m3fn
+    assert runners["fp8"].num_blocks == 4 * runners["auto"].num_blocks == KV_CACHE_BYTES // 2048
+
+
+def test_unset_is_auto_and_other_values_are_refused(tiny_model_dir):
+    mvs = [version("chat-v1", "v1", str(tiny_model_dir))]
+    config, kwargs = served_engine_config(inference_model({}), mvs)
+    assert config.kv_cache_dtype == "auto" and "kv_cache_dtype" not in kwargs
+    assert Engine().kv_cache_dtype == "auto"
+    with pytest.raises(ValidationError, match="kvCacheDtype"):
+        Engine(kvCacheDtype="int8")
