@@ -136,8 +136,8 @@ def test_engine_with_an_fp8_cache_holds_twice_the_blocks_and_gives_the_same_toke
     assert bf16.kv_cache.dtype == torch.bfloat16 and fp8.kv_cache.dtype == FP8_KV_DTYPE
     assert fp8.num_blocks == 2 * bf16.num_blocks
     assert fp8.kv_cache_bytes == bf16.kv_cache_bytes
-    same = sum(a == b for x, y in zip(want, got, strict=True) for a, b in zip(x, y, strict=True))
-    assert same >= 0.9 * sum(len(x) for x in want), (want, got)
+    # a flip at a near tie changes the rest of its sequence: at most one of the four may differ
+    assert sum(x == y for x, y in zip(want, got, strict=True)) >= len(want) - 1, (want, got)
 
 
 def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
