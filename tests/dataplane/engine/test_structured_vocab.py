@@ -99,6 +99,8 @@ def test_a_padded_model_ends_its_json_on_its_far_eos(padded_model_dir, device):
         assert out.finish_reason == "stop"
         assert json.loads(out.text)["a"] in ("x", "y")
         assert all(t < TOKENIZER_VOCAB for t in out.token_ids if t != EOS)
-    # The unconstrained row samples padded ids as it would alone (most of this model's ids are).
-    assert max(outs[2].token_ids) >= TOKENIZER_VOCAB
-    assert outs[2].token_ids == llm.generate("three", plain)[0].token_ids
+    # The unconstrained row is not masked: most of its tokens are padded ids, as 7 in 8 of the model's.
+    padded = sum(t >= TOKENIZER_VOCAB for t in outs[2].token_ids)
+    assert padded >= len(outs[2].token_ids) // 2
+    if device == "cpu":  # and they are those it samples alone (a GPU's kernels may differ by batch)
+        assert outs[2].token_ids == llm.generate("three", plain)[0].token_ids
