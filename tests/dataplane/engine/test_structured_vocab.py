@@ -24,6 +24,7 @@ SCHEMA = json.dumps(
         "additionalProperties": False,
     }
 )
+LONG_ARRAY = json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 1000})
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
@@ -88,8 +89,10 @@ def test_a_padded_model_ends_its_json_on_its_far_eos(padded_model_dir, device):
         SamplingParams(max_tokens=30, temperature=0.0, structured=structured),
         SamplingParams(max_tokens=30, temperature=0.9, seed=5, structured=structured),
         plain,
+        # Constrained as long as the plain row runs: the batch masks some rows, not all, throughout.
+        SamplingParams(max_tokens=24, temperature=0.0, structured=("json_schema", LONG_ARRAY)),
     ]
-    outs = llm.generate(["one", "two two", "three"], params)
+    outs = llm.generate(["one", "two two", "three", "four"], params)
     vocab = llm.engine._grammars.vocab
     assert vocab == GrammarVocab(MODEL_VOCAB, TOKENIZER_VOCAB, (EOS,))
     assert llm.engine.eos_token_ids == {EOS}
@@ -99,8 +102,10 @@ def test_a_padded_model_ends_its_json_on_its_far_eos(padded_model_dir, device):
         assert out.finish_reason == "stop"
         assert json.loads(out.text)["a"] in ("x", "y")
         assert all(t < TOKENIZER_VOCAB for t in out.token_ids if t != EOS)
+    assert outs[3].finish_reason == "length"
+    assert all(t < TOKENIZER_VOCAB for t in outs[3].token_ids)
     # The unconstrained row is not masked: most of its tokens are padded ids, as 7 in 8 of the model's.
-    padded = sum(t >= TOKENIZER_VOCAB for t in outs[2].token_ids)
+    padded = sum(t >= TOKENIZER_VOCAB and t != EOS for t in outs[2].token_ids)
     assert padded >= len(outs[2].token_ids) // 2
     if device == "cpu":  # and they are those it samples alone (a GPU's kernels may differ by batch)
         assert outs[2].token_ids == llm.generate("three", plain)[0].token_ids
