@@ -264,7 +264,7 @@ class GrammarMasks:
         if vocab.padded:
             if self._padding is None or self._padding.vocab != vocab or self._padding.device != logits.device:
                 self._padding = _PaddingMask(vocab, logits.device)
-            self._padding.apply(logits, bitmask, indices)
+            self._padding.apply(logits, bitmask, host[:num_rows], indices)
         return logits
 
     def _host_buffer(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -290,7 +290,8 @@ class GrammarMasks:
 
 class _PaddingMask:
     """Masks a padded model's ids past its grammars' (see GrammarVocab): all of them, but a far stop id
-    where its row's bitmask allows its grammar id. A few small kernels, no wait on the device."""
+    where its row's bitmask allows its grammar id. The host's bitmask tells whether any row allows one
+    (rarely: an answer just complete); if none does, one fill of the rows' padded columns is all."""
 
     def __init__(self, vocab: GrammarVocab, device: torch.device) -> None:
         import torch
@@ -298,23 +299,30 @@ class _PaddingMask:
         self.vocab = vocab
         self.device = device
         grammar_ids = torch.arange(vocab.tokenizer_size, vocab.size, dtype=torch.int32)
+        self._host_words, self._host_shifts = (grammar_ids // 32).numpy(), (grammar_ids % 32).numpy()
         self._far = torch.tensor(vocab.far_stops, dtype=torch.long).to(device)
         self._words = (grammar_ids // 32).long().to(device)
         self._shifts = (grammar_ids % 32).to(device)
 
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None) -> None:
+    def apply(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, host: torch.Tensor, indices: list[int] | None
+    ) -> None:
+        """`bitmask`: the rows' bitmask where the logits are; `host`: the same on the host."""
         import torch
 
         rows: Any = slice(None)
         if indices is not None:
             rows = torch.tensor(indices, dtype=torch.long).to(logits.device, non_blocking=True)
+        start = self.vocab.tokenizer_size
+        host_bits = (host.numpy()[:, self._host_words] >> self._host_shifts) & 1
+        if not host_bits[slice(None) if indices is None else indices].any():
+            logits[rows, start:] = -torch.inf
+            return
         far_cells = (rows if indices is None else rows.unsqueeze(1), self._far)
-        if self.vocab.far_stops:
-            allowed = ((bitmask[rows][:, self._words] >> self._shifts) & 1).bool()
-            kept = torch.where(allowed, logits[far_cells], -torch.inf)
-        logits[rows, self.vocab.tokenizer_size :] = -torch.inf
-        if self.vocab.far_stops:
-            logits[far_cells] = kept
+        allowed = ((bitmask[rows][:, self._words] >> self._shifts) & 1).bool()
+        kept = torch.where(allowed, logits[far_cells], -torch.inf)
+        logits[rows, start:] = -torch.inf
+        logits[far_cells] = kept
 
 
 def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, SequenceGrammar]]:

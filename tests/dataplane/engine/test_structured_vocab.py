@@ -57,16 +57,21 @@ def test_an_unpadded_model_keeps_its_ids():
 def test_the_padded_ids_are_masked_but_an_allowed_far_stop():
     vocab = GrammarVocab(64, 10, (40,))
     bitmask = torch.tensor([[(1 << 1) | (1 << 10)], [1 << 2], [-1]], dtype=torch.int32)
-    logits = torch.zeros(3, 64)
-    _PaddingMask(vocab, logits.device).apply(logits, bitmask, [0, 1])
-    masked = torch.isinf(logits)
-    assert masked[0, 10:].sum() == 53 and not masked[0, 40] and not masked[0, :10].any()
-    assert masked[1, 10:].all() and not masked[1, :10].any()
-    assert not masked[2].any()  # not a constrained row
+
+    def masked(indices: list[int] | None) -> torch.Tensor:
+        logits = torch.zeros(3, 64)
+        _PaddingMask(vocab, logits.device).apply(logits, bitmask, bitmask, indices)
+        return torch.isinf(logits)
+
+    rows = masked([0, 1])
+    assert rows[0, 10:].sum() == 53 and not rows[0, 40] and not rows[0, :10].any()
+    assert rows[1, 10:].all() and not rows[1, :10].any()
+    assert not rows[2].any()  # not a constrained row
     # Every row constrained: no indices.
-    logits = torch.zeros(3, 64)
-    _PaddingMask(vocab, logits.device).apply(logits, bitmask, None)
-    assert torch.isinf(logits[:, 10:]).sum(dim=1).tolist() == [53, 54, 53]
+    assert masked(None)[:, 10:].sum(dim=1).tolist() == [53, 54, 53]
+    # No constrained row allows its far stop: the padded columns of those rows alone.
+    rows = masked([1])
+    assert rows[1, 10:].all() and not rows[0].any() and not rows[2].any()
 
 
 @pytest.fixture(scope="module")
