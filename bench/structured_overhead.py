@@ -30,15 +30,16 @@ next launch, and the bitmask's blocking copy waited for the forward; now the hos
 the device computes the next forward.
 
 With a 128256-id vocabulary around the 2.2k-token demo tokenizer (--vocab 128256, 64 sequences, 60
-steps, means, two runs each, the machine loaded by others: wall times are loose), the grammar once
-worked in all 128256 ids, and xgrammar handles each id without text as a special token in every fill
-and accept: accept_token 34 us instead of 1 us, ~150 us more per row in a fill. Before (the grammar over
-the model's ids): structured part 76-86 ms a step, of it accept 2.7-3.6 ms, fill 14.4-16.9 ms and the
-CPU masking of 128k columns 59-64 ms (xgrammar's CPU kernel; a Triton kernel on a GPU); thread-CPU 43
-ms. After (the tokenizer's ids and the far eos, the padded ids masked apart): 12.6-14.4 ms, of it accept
-0.4-0.6 ms, fill 5.4-5.8 ms, masking 6.4-7.7 ms; thread-CPU 8.2-8.4 ms. The fill left is xgrammar's own
-cost in this schema's maxLength-12 strings (100-350 us a row after a few characters, every row at once
-here since the random model repeats one string); xgrammar's threads share it (MODELFLEET_GRAMMAR_THREADS).
+steps, means of 4 runs each, before and after alternating, the machine loaded by others so wall times
+are loose), the grammar once worked in all 128256 ids, and xgrammar handles each id without text as a
+special token in every fill and accept: accept_token 34 us instead of 1 us, up to ~150 us more per row
+in a fill. Before (the grammar over the model's ids): structured part 49-86 ms a step (thread-CPU
+41-43 ms), of it accept 2.0-3.6 ms, fill 9.6-16.9 ms and the CPU masking of 128k columns 37-64 ms
+(xgrammar's CPU kernel; a Triton kernel on a GPU). After (the tokenizer's ids and the far eos, the
+padded ids masked apart): 7.5-14.4 ms (thread-CPU 7.4-8.4 ms), of it accept 0.27-0.6 ms, fill 3.3-5.8
+ms, masking 3.7-7.7 ms. The fill left is xgrammar's own cost in this schema's maxLength-12 strings
+(100-180 us a row a few characters in, 1 us without maxLength; every row at once here since the random
+model repeats one string); xgrammar's threads share it (MODELFLEET_GRAMMAR_THREADS, half the cores).
 """
 
 from __future__ import annotations
