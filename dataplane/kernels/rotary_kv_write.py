@@ -17,6 +17,14 @@ from modelfleet.dataplane.kernels.rotary import _load_cos_sin, _rotate_heads, ch
 
 
 @triton.jit
+def _cache_value(x, inv_scale, FP8_KV: tl.constexpr):
+    """What the cache stores for x: x itself, or x / scale saturated for an e4m3 cache."""
+    if FP8_KV:
+        return fp8_scaled(x, inv_scale)
+    return x
+
+
+@triton.jit
 def _rotary_kv_write_kernel(
     q_ptr,
     k_ptr,
@@ -79,20 +87,16 @@ def _rotary_kv_write_kernel(
             + heads * stride_cache_head
             + dims
         )
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        if FP8_KV:
-            k1 = fp8_scaled(k1, k_inv_scale)
-            k2 = fp8_scaled(k2, k_inv_scale)
-        tl.store(k_cache_ptr + dst, k1.to(cache_dtype), mask=mask)
-        tl.store(k_cache_ptr + dst + HALF, k2.to(cache_dtype), mask=mask)
+        # new names: a value that changes dtype inside this runtime branch may not keep its name
+        k_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, _cache_value(k1, k_inv_scale, FP8_KV).to(k_dtype), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, _cache_value(k2, k_inv_scale, FP8_KV).to(k_dtype), mask=mask)
         src = v_ptr + token * stride_vt + heads * stride_vh + dims
         v1 = tl.load(src, mask=mask)
         v2 = tl.load(src + HALF, mask=mask)
-        if FP8_KV:
-            v1 = fp8_scaled(v1, v_inv_scale)
-            v2 = fp8_scaled(v2, v_inv_scale)
-        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        v_dtype = v_cache_ptr.dtype.element_ty
+        tl.store(v_cache_ptr + dst, _cache_value(v1, v_inv_scale, FP8_KV).to(v_dtype), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, _cache_value(v2, v_inv_scale, FP8_KV).to(v_dtype), mask=mask)
 
 
 def rotary_and_write_kv(
