@@ -18,10 +18,11 @@ from modelfleet.dataplane.kernels.rotary import _load_cos_sin, _rotate_heads, ch
 
 @triton.jit
 def _cache_value(x, inv_scale, FP8_KV: tl.constexpr):
-    """What the cache stores for x: x itself, or x / scale saturated for an e4m3 cache."""
+    """What the cache stores for x, in float32 (exact for x's own dtype): x itself, or x / scale
+    saturated for an e4m3 cache. One return type for both, as Triton requires."""
     if FP8_KV:
         return fp8_scaled(x, inv_scale)
-    return x
+    return x.to(tl.float32)
 
 
 @triton.jit
