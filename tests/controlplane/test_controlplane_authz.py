@@ -171,6 +171,20 @@ def test_a_tenant_key_reads_only_its_own_audit_trail(client: TestClient, world: 
     assert own["count"] > 0 and {e["tenant"] for e in own["data"]} == {intruder}
 
 
+def test_a_missing_model_or_version_of_ones_own_tenant_is_a_404_naming_it(
+    client: TestClient, world: dict[str, Any]
+):
+    params, headers = world["params"], world["victim_headers"]
+    base = f"{API}/tenants/{params['tenant_name']}/models"
+    for path, param in [
+        (f"{base}/no-such-model", "model_name"),
+        (f"{base}/{params['model_name']}/versions/no-such-version", "version_name"),
+    ]:
+        answer = client.get(path, headers=headers)
+        assert answer.status_code == 404, answer.text
+        assert answer.json()["error"]["param"] == param
+
+
 def test_a_key_is_refused_from_the_instant_it_expires(client: TestClient, monkeypatch: pytest.MonkeyPatch):
     from datetime import UTC, datetime, timedelta
 

@@ -181,6 +181,60 @@ def test_request_limits_at_and_one_past_the_limit(settings, at_limit, one_past, 
     assert info.value.status == 400
 
 
+def test_an_empty_prompt_and_a_bad_sampling_parameter_are_400s_naming_the_field():
+    from modelfleet.dataplane.server.checks import check_request
+
+    for args, prompts, param in [({}, [[1], []], "prompt"), ({"top_k": -5}, [[1]], "top_k")]:
+        with pytest.raises(BadRequest) as info:
+            check_request(ServerSettings(), CompletionRequest(model="m", prompt="x", **args), prompts, 64)
+        assert info.value.param == param
+
+
+def test_without_a_known_context_length_only_the_servers_limits_apply():
+    from modelfleet.dataplane.server.checks import check_prompt_chars, check_request
+
+    class Vocab:
+        def get_vocab(self) -> dict[str, int]:
+            return {"abc": 0, "d": 1}
+
+    request = CompletionRequest(model="m", prompt="x" * 5000, max_tokens=3)
+    assert check_prompt_chars(ServerSettings(), request, Vocab(), None) == 5000
+    assert check_request(ServerSettings(), request, [[1] * 500], None).max_tokens == 3
+
+
+def test_the_longest_token_is_read_from_the_vocabulary_once():
+    from modelfleet.dataplane.server.checks import longest_token_chars
+
+    class Vocab:
+        calls = 0
+
+        def get_vocab(self) -> dict[str, int]:
+            self.calls += 1
+            return {"abcd": 0, "e": 1}
+
+    tokenizer = Vocab()
+    assert longest_token_chars(tokenizer) == 4
+    assert longest_token_chars(tokenizer) == 4
+    assert tokenizer.calls == 1
+
+
+async def test_what_a_request_reserved_and_did_not_use_is_given_back(dataplane):
+    """A request that fails after two tokens keeps only what it used of its reservation (its prompt and
+    two tokens): the key's next request, which would not fit beside the whole reservation, runs."""
+    from modelfleet.dataplane.server.auth import KeyLimits, Principal, RateLimiter
+
+    dataplane.limiter = RateLimiter(clock=lambda: 1000.0)
+    caller = RequestContext(principal=Principal("team", KeyLimits(tokens_per_minute=30)))
+    failed = await dataplane.completion(
+        CompletionRequest(model="m", prompt=[1, POISON], max_tokens=20), caller
+    )
+    with pytest.raises(EngineFailure):
+        await failed.response()
+    request = CompletionRequest(model="m", prompt=[1, 2], max_tokens=20)  # 22 of the 26 left
+    answer = await (await dataplane.completion(request, caller)).response()
+    assert answer.usage.completion_tokens == 20
+
+
 async def test_prompt_tokens_are_charged_to_the_key(dataplane):
     """A long prompt with max_tokens=1 costs its prompt tokens too: 20 + 1 of a key's 30 tokens a minute
     leave 9, too few for a request of 9 + 1, which may run once the first leaves the window (60 s)."""
@@ -395,6 +449,7 @@ async def test_a_request_whose_engine_died_while_it_waited_is_told_to_retry():
         with pytest.raises(ModelUnavailable) as info:
             await second
         assert info.value.code == "engine_restarting"
+        assert info.value.headers["Retry-After"] == "1"
     finally:
         await dp.close()
 
