@@ -71,6 +71,7 @@ def test_unknown_pin_is_404_listing_versions():
     with pytest.raises(RouteError, match="no version 'zz'; known versions: a, b") as info:
         route(table({"a": 50, "b": 50}), pinned="zz")
     assert info.value.status == 404
+    assert info.value.code == "model_not_found"
 
 
 def test_sticky_key_is_stable_and_split_by_weight():
@@ -199,3 +200,27 @@ def test_a_header_name_without_header_stickiness_is_ignored():
         salts=(b"a",),
     )
     assert sticky_key(plain, user="alice", headers={"x-session-id": "s1"}) is None
+
+
+def test_weights_and_shares_of_one_count():
+    """A weight or shadow share of 1 is traffic like any other (the limits are "more than 0")."""
+    from modelfleet.dataplane.server.router import weighted_choice
+
+    assert weighted_choice(table({"a": 1, "b": 0}), 0.5) == "a"
+    assert table({"a": 100, "b": 0}, shadow={"b": 1}).shadows == (("b", 1),)
+    t = table({"a": 1, "b": 1}, sticky="user")
+    assert {sticky_choice(t, f"user-{i}") for i in range(64)} == {"a", "b"}
+
+
+def test_a_draw_of_one_goes_to_the_last_version():
+    """The guard for a draw whose product with the total rounds up to the last edge."""
+    from modelfleet.dataplane.server.router import weighted_choice
+
+    assert weighted_choice(table({"a": 20, "b": 30, "c": 50}), 1.0) == "c"
+
+
+def test_sticky_choices_are_the_same_in_every_release():
+    """Replicas of two releases side by side (a rolling upgrade) must send a user to the same version:
+    the hash is pinned here, so changing it (salt, digest size) shows as a test failure."""
+    t = table({"a": 50, "b": 50}, sticky="user")
+    assert "".join(sticky_choice(t, f"user-{i}") for i in range(24)) == "abbaabbbaabbbababaaabbaa"
