@@ -140,6 +140,45 @@ def test_a_cap_added_by_a_key_file_reload_counts_only_requests_still_in_flight()
         limiter.acquire(after)
 
 
+def test_a_full_window_says_when_enough_of_it_leaves():
+    """At exactly the limit a request is refused; Retry-After is when the oldest charges have left so
+    that less than the limit remains, and at least 1 s."""
+    clock = FakeClock()
+    limiter = RateLimiter(clock=clock)
+    who = Principal("k", KeyLimits(tokens_per_minute=60))
+    for tokens in (1, 10, 49):  # at +0, +5 and +10 s
+        limiter.charge(who, tokens)
+        clock.now += 5
+    with pytest.raises(RateLimited) as info:
+        limiter.acquire(who)
+    # At +15 s: the first charge leaves at +60 s, and then 59 of 60 remain; the second is not needed.
+    assert info.value.headers["Retry-After"] == "45"
+    assert "share" not in info.value.message  # one replica: the whole limit
+    clock.now += 44.5
+    with pytest.raises(RateLimited) as info:
+        limiter.acquire(who)
+    assert info.value.headers["Retry-After"] == "1"  # half a second, rounded up
+    clock.now += 0.5
+    limiter.acquire(who)
+
+
+def test_with_two_replicas_each_enforces_and_names_its_share():
+    limiter = RateLimiter(clock=FakeClock(), replicas=lambda: 2)
+    who = Principal("k", KeyLimits(tokens_per_minute=60))
+    limiter.charge(who, 30)
+    with pytest.raises(RateLimited, match="limit of 30 tokens per minute, this replica's share of 2"):
+        limiter.acquire(who)
+
+
+def test_what_a_key_did_before_it_had_a_token_rate_does_not_count_against_one():
+    """Tokens of a key without a rate are not kept; a reservation that never ran keeps nothing."""
+    limiter = RateLimiter(clock=FakeClock())
+    limiter.charge(Principal("k", KeyLimits()), 100)
+    who = Principal("k", KeyLimits(tokens_per_minute=50))
+    limiter.settle(limiter.reserve(who, 50))  # refused before it ran: used stays None
+    assert limiter.reserve(who, 50) is not None
+
+
 async def test_admission_queue_is_bounded():
     queue = AdmissionQueue(max_running=1, max_waiting=1)
     release = asyncio.Event()
