@@ -126,11 +126,12 @@ def test_concurrency_cap():
     limiter.acquire(other)  # limits are per key
 
 
-def test_a_cap_added_by_a_key_file_reload_counts_only_requests_still_in_flight():
-    """A key with a token rate alone has its requests counted in and out too: when a reload of the key
-    file gives it a concurrency cap, the requests that already ended do not count against it."""
+@pytest.mark.parametrize("limits", [KeyLimits(tokens_per_minute=1000), KeyLimits()], ids=["rate", "none"])
+def test_a_cap_added_by_a_key_file_reload_counts_only_requests_still_in_flight(limits):
+    """Requests of a key without a cap that ended leave no count behind: when a reload of the key file
+    gives it a concurrency cap, they do not count against it."""
     limiter = RateLimiter(clock=FakeClock())
-    before = Principal("k", KeyLimits(tokens_per_minute=1000))
+    before = Principal("k", limits)
     for _ in range(2):
         limiter.acquire(before)
         limiter.release(before)
