@@ -81,6 +81,14 @@ def _byte_to_f32(words, j: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _weight_part(w, j: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
+    """Part j of a weight tile in float32: byte j of each packed word, or the whole unpacked tile."""
+    if PACKED:
+        return _byte_to_f32(w, j, FP8)
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _rows_dot(
     acc0,
     acc1,
@@ -213,35 +221,17 @@ def _gemv_kernel(
             w_next = tl.load(
                 w_rows + ahead[None, :], mask=ahead[None, :] < w_end, other=0.0, eviction_policy="evict_first"
             )
-        if PACKED:  # byte j of int32 word c is weight column 4c + j
-            for j in tl.static_range(4):
-                acc0, acc1, acc2, acc3 = _rows_dot(
-                    acc0,
-                    acc1,
-                    acc2,
-                    acc3,
-                    _byte_to_f32(w, j, FP8),
-                    x_rows,
-                    stride_xm,
-                    cols * 4 + j,
-                    k_end,
-                    m0,
-                    M,
-                    BLOCK_M,
-                    EVEN_K,
-                    MASK_M,
-                    REDUCE_AT_END,
-                )
-        else:
+        # a packed tile is 4 parts, byte j of int32 word c being weight column 4c + j; a plain one is 1
+        for j in tl.static_range(PACK):
             acc0, acc1, acc2, acc3 = _rows_dot(
                 acc0,
                 acc1,
                 acc2,
                 acc3,
-                w.to(tl.float32),
+                _weight_part(w, j, PACKED, FP8),
                 x_rows,
                 stride_xm,
-                cols,
+                cols * PACK + j,
                 k_end,
                 m0,
                 M,
