@@ -154,9 +154,10 @@ def test_full_host_pool_drops_spills_and_loses_nothing_else():
     assert bm.num_free_blocks == 4
 
 
-def test_loads_per_step_are_budgeted():
-    bm = BlockManager(8, BLOCK, host=HostBlockPool(16), max_loads_per_step=2)
-    prompts = [[i * 100 + j for j in range(9)] for i in range(2)]  # two full blocks each
+def two_prefixes_on_the_host(max_loads_per_step: int) -> tuple[BlockManager, Sequence, Sequence]:
+    """Two prompts of two full blocks each, spilled to the host by a filler; a and b ask for them."""
+    bm = BlockManager(8, BLOCK, host=HostBlockPool(16), max_loads_per_step=max_loads_per_step)
+    prompts = [[i * 100 + j for j in range(9)] for i in range(2)]
     for prompt in prompts:
         seq = make_seq("p", prompt)
         admit(bm, seq)
@@ -167,6 +168,11 @@ def test_loads_per_step_are_budgeted():
     bm.take_copies()
     a, b = make_seq("a", prompts[0]), make_seq("b", prompts[1])
     assert bm.waits_for_blocks(a) and bm.waits_for_blocks(b)
+    return bm, a, b
+
+
+def test_loads_per_step_are_budgeted():
+    bm, _, b = two_prefixes_on_the_host(max_loads_per_step=2)
     # a's two blocks spend the step's budget: b has not started.
     assert list(bm.take_copies().loads) == ["a"]
     assert bm.waits_for_blocks(b)
@@ -174,18 +180,7 @@ def test_loads_per_step_are_budgeted():
 
 
 def test_a_load_that_fits_what_is_left_of_the_steps_budget_starts_in_that_step():
-    bm = BlockManager(8, BLOCK, host=HostBlockPool(16), max_loads_per_step=4)
-    prompts = [[i * 100 + j for j in range(9)] for i in range(2)]  # two full blocks each
-    for prompt in prompts:
-        seq = make_seq("p", prompt)
-        admit(bm, seq)
-        bm.free(seq)
-    filler = make_seq("filler", [5000 + i for i in range(8 * BLOCK)])
-    admit(bm, filler)
-    bm.free(filler)
-    bm.take_copies()
-    a, b = make_seq("a", prompts[0]), make_seq("b", prompts[1])
-    assert bm.waits_for_blocks(a) and bm.waits_for_blocks(b)
+    bm, _, _ = two_prefixes_on_the_host(max_loads_per_step=4)
     # a's two blocks leave exactly b's two of the four.
     assert list(bm.take_copies().loads) == ["a", "b"]
 
