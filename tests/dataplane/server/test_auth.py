@@ -141,6 +141,16 @@ def test_a_cap_added_by_a_key_file_reload_counts_only_requests_still_in_flight(l
         limiter.acquire(after)
 
 
+def test_a_request_made_after_a_reload_removed_the_cap_does_not_free_a_capped_requests_place():
+    limiter = RateLimiter(clock=FakeClock())
+    capped, uncapped = Principal("k", KeyLimits(max_concurrent=1)), Principal("k", KeyLimits())
+    limiter.acquire(capped)  # still running
+    limiter.acquire(uncapped)
+    limiter.release(uncapped)
+    with pytest.raises(RateLimited, match="1 requests in flight"):
+        limiter.acquire(capped)
+
+
 def test_a_full_window_says_when_enough_of_it_leaves():
     """At exactly the limit a request is refused; Retry-After is when the oldest charges have left so
     that less than the limit remains, and at least 1 s."""
