@@ -14,7 +14,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from modelfleet.dataplane.server import tokenize as tk
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.auth import Principal
@@ -22,6 +22,7 @@ from modelfleet.dataplane.server.dataplane import UNKNOWN_MODEL, DataPlane, Gene
 from modelfleet.dataplane.server.errors import BadRequest, ServerError, error_body, validation_message
 from modelfleet.dataplane.server.guard import RequestGuard
 from modelfleet.dataplane.server.protocol import ChatCompletionRequest, CompletionRequest
+from modelfleet.dataplane.server.streaming import ServerSendApp, SseResponse
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from pydantic import ValidationError
@@ -58,7 +59,7 @@ T = TypeVar("T")
 
 def create_app(dataplane: DataPlane, *, lifespan: Lifespan | None = None) -> FastAPI:
     _redact_keys_in_server_logs()
-    app = FastAPI(title="modelfleet", lifespan=lifespan)
+    app = ServerSendApp(title="modelfleet", lifespan=lifespan)
     app.state.dataplane = dataplane
     app.add_middleware(HttpSpanMiddleware, tracer=dataplane.tracer)
     # Outermost: the key and the body's size and pace are checked before anything reads the body.
@@ -140,7 +141,7 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
     except BaseException:
         await chunks.aclose()
         raise
-    return StreamingResponse(_sse(first, chunks), media_type="text/event-stream", headers=headers)
+    return SseResponse(_sse(first, chunks), headers=headers)
 
 
 async def _sse(first: str | None, chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
