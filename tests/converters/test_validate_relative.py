@@ -112,6 +112,9 @@ def test_a_lead_of_exactly_twice_the_baselines_difference_is_not_decisive():
     lead = (top2[0] - top2[1]).item()  # every even position's lead, as compare() computes it
     at = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", baseline(lead / 2))
     assert at["numDecisivePositions"] == 0
+    # no decisive position: nothing disagrees, and the report says which ratio made the limit
+    assert at["top1AgreementDecisive"] == 1.0 and at["passed"]
+    assert at["thresholds"]["relativeRatio"] == RELATIVE_RATIOS["int8"]
     under = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", baseline(0.999 * lead / 2))
     assert under["numDecisivePositions"] == 40
 

@@ -251,6 +251,7 @@ async def test_admission_queue_refuses_exactly_one_past_max_waiting():
         assert extra.done(), "a third waiter was queued past max_waiting=2"
         assert isinstance(extra.exception(), RateLimited)
         assert "queue limit 2" in extra.exception().message
+        assert extra.exception().headers["Retry-After"] == "1"
         assert (queue.running, queue.waiting) == (1, 2)
     finally:
         extra.cancel()
