@@ -2,7 +2,9 @@
 ready replicas (round robin) and streams the answer back as it comes.
 
 One request per client connection (answers carry `Connection: close`), so a replica that dies mid-answer
-ends exactly that client's stream: its body stops short of its end, which the client reports as an error.
+ends exactly that client's stream. A streamed answer (chunked `text/event-stream`) is passed on whole
+events at a time, so that one whose replica broke off still reaches the client well formed, ending in an
+error event (OpenAI's error body) the client raises; any other body just stops short of its end.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class ServiceProxy:
             response = await reader.readuntil(b"\r\n\r\n")
             lines = response.decode("latin-1").split("\r\n")[:-2]
             client.write(_close_head(lines))
+            if _is_chunked_event_stream(lines):
+                await self._relay_events(reader, client)
+                return
             while chunk := await reader.read(CHUNK):
                 client.write(chunk)
                 await client.drain()
@@ -87,6 +92,30 @@ class ServiceProxy:
             log.warning("service %s: a replica broke off an answer: %s", self.name, exc)
         finally:
             writer.close()
+
+    async def _relay_events(self, replica: asyncio.StreamReader, client: asyncio.StreamWriter) -> None:
+        """The replica's chunked events, passed on one whole event or more per chunk; if the replica breaks
+        off, its partial event is dropped and an error event ends the stream instead."""
+        pending = b""
+        while True:
+            try:
+                data = await _read_chunk(replica)
+            except (ConnectionError, asyncio.IncompleteReadError, ValueError) as exc:
+                log.warning("service %s: a replica broke off a stream: %s", self.name, exc)
+                message = f"the replica of service {self.name} serving this stream stopped before its end"
+                error = {"error": {"message": message, "type": "server_error", "code": "replica_lost"}}
+                client.write(_chunk(f"data: {json.dumps(error)}\n\n".encode()))
+                break
+            if data is None:
+                break
+            pending += data
+            end = pending.rfind(b"\n\n") + 2  # 1 when there is no whole event yet
+            if end > 1:
+                client.write(_chunk(pending[:end]))
+                pending = pending[end:]
+                await client.drain()
+        client.write(b"0\r\n\r\n")
+        await client.drain()
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """A connection to a ready replica, trying the others when one refuses (nothing is sent yet)."""
@@ -106,18 +135,37 @@ class ServiceProxy:
 async def _read_request(reader: asyncio.StreamReader) -> tuple[list[str], bytes]:
     raw = await reader.readuntil(b"\r\n\r\n")
     head = raw.decode("latin-1").split("\r\n")[:-2]
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+    headers = _headers(head)
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            data = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            body += data[:-2]
+        while (data := await _read_chunk(reader)) is not None:
+            body += data
         return head, body
     length = int(headers.get("content-length") or 0)
     return head, await reader.readexactly(length) if length else b""
+
+
+def _is_chunked_event_stream(lines: list[str]) -> bool:
+    headers = _headers(lines)
+    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+    return chunked and headers.get("content-type", "").lower().startswith("text/event-stream")
+
+
+def _headers(head: list[str]) -> dict[str, str]:
+    return {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+
+
+async def _read_chunk(reader: asyncio.StreamReader) -> bytes | None:
+    """One chunk of a chunked body; None at its end (trailers, which replicas do not send, are refused)."""
+    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+    data = await reader.readexactly(size + 2)
+    if data[-2:] != b"\r\n":
+        raise ValueError("a chunk does not end with CRLF")
+    return data[:-2] if size else None
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 def _rewrite_head(head: list[str], length: int) -> bytes:

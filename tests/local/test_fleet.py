@@ -208,8 +208,9 @@ def _server_weights(fleet) -> dict[str, int]:
 
 
 def kill_during_a_stream(fleet, pid: int) -> bool:
-    """Kill the replica as soon as a long stream has begun. True when the stream broke off; False when
-    the whole answer had already been written (the kill came too late), which the stream must then show."""
+    """Kill the replica as soon as a long stream has begun. True when the stream broke off, ending in the
+    error event the local Service writes for a replica lost mid-stream; False when the whole answer had
+    already been written (the kill came too late), which the stream must then show."""
     api = client(fleet)
     with api.completions.with_streaming_response.create(
         model=MODEL,
@@ -225,7 +226,8 @@ def kill_during_a_stream(fleet, pid: int) -> bool:
         chunks = []
         try:
             chunks.extend(stream.parse())
-        except (openai.APIError, httpx.HTTPError):
+        except openai.APIError as exc:  # the Service ends the broken stream with an error event
+            assert "stopped before its end" in str(exc), exc
             return True
     # Not broken off: then it is the whole answer, never a stream cut short that looks complete.
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 185, chunks[-1]

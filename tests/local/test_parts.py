@@ -4,6 +4,7 @@ printer columns' JSONPaths, mount-path mapping, and the Service proxy's spreadin
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 from collections import Counter
@@ -143,6 +144,20 @@ class Backend:
 
             return StreamingResponse(lines(), media_type="text/plain")
 
+        @app.get("/events")
+        async def events(broken: bool = False) -> StreamingResponse:
+            async def sse():
+                for i in range(3):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0.01)
+                if broken:  # half an event, then the replica is gone
+                    yield "data: hal"
+                    await asyncio.sleep(0.01)
+                    raise RuntimeError("replica lost")
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -176,6 +191,33 @@ def test_the_service_proxy_spreads_requests_over_ready_replicas_and_streams():
             ready.clear()
             refused = httpx.post(f"{proxy.url}/v1/completions", json={})
             assert refused.status_code == 503 and "no ready replica" in refused.json()["error"]["message"]
+        finally:
+            asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(timeout=10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+
+
+def test_a_stream_whose_replica_breaks_off_ends_well_formed_with_an_error_event():
+    with Backend("a") as a:
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        proxy = ServiceProxy("chat", lambda: [a])
+        asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(timeout=10)
+        try:
+            with httpx.stream("GET", f"{proxy.url}/events") as whole:
+                assert [line for line in whole.iter_lines() if line] == [
+                    "data: 0",
+                    "data: 1",
+                    "data: 2",
+                    "data: [DONE]",
+                ]
+            with httpx.stream("GET", f"{proxy.url}/events", params={"broken": "true"}) as broken:
+                lines = [line for line in broken.iter_lines() if line]  # no error: the body is whole
+            # the half event is dropped, an error event takes its place
+            assert lines[:3] == ["data: 0", "data: 1", "data: 2"] and len(lines) == 4
+            error = json.loads(lines[3].removeprefix("data: "))["error"]
+            assert error["code"] == "replica_lost" and "service chat" in error["message"]
         finally:
             asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(timeout=10)
             loop.call_soon_threadsafe(loop.stop)
