@@ -8,7 +8,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Annotated, TypeVar
 
@@ -141,20 +141,7 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
     except BaseException:
         await chunks.aclose()
         raise
-    return SseResponse(_sse(first, chunks), headers=headers)
-
-
-async def _sse(first: str | None, chunks: AsyncGenerator[str, None]) -> AsyncIterator[str]:
-    try:
-        if first is not None:
-            yield f"data: {first}\n\n"
-        async for chunk in chunks:
-            yield f"data: {chunk}\n\n"
-    except ServerError as exc:  # failed mid-stream: the status line is gone, so say it in the stream
-        yield f"data: {json.dumps(exc.body())}\n\n"
-    finally:
-        await chunks.aclose()
-    yield "data: [DONE]\n\n"
+    return SseResponse(first, chunks, headers=headers)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:

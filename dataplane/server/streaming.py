@@ -11,7 +11,11 @@ that did would have to be added before this response is used.
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncGenerator, Mapping
+
 from fastapi import FastAPI
+from modelfleet.dataplane.server.errors import ServerError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -28,9 +32,17 @@ class ServerSendApp(FastAPI):
 
 
 class SseResponse(StreamingResponse):
-    """A text/event-stream whose body chunks (str or bytes) skip the middlewares' send wrappers."""
+    """OpenAI's event stream of JSON chunks: each sent as `data: {chunk}` past the middlewares' send
+    wrappers, a ServerError raised mid-stream sent as an error event (the status line is gone), and
+    `data: [DONE]` last, in the body's final write."""
 
     media_type = "text/event-stream"
+
+    def __init__(
+        self, first: str | None, chunks: AsyncGenerator[str, None], headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(chunks, headers=headers)
+        self.first, self.chunks = first, chunks
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Without ServerSendApp above it (another ASGI host), every chunk takes the wrapped send.
@@ -40,7 +52,21 @@ class SseResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         body_send = self._body_send
-        async for chunk in self.body_iterator:
-            body = chunk.encode() if isinstance(chunk, str) else chunk
-            await body_send({"type": "http.response.body", "body": body, "more_body": True})
-        await body_send({"type": "http.response.body", "body": b"", "more_body": False})
+        # A stream cancelled while it writes (the client left) is closed by the event loop's
+        # async-generator finalizer, not here, where anyio would cancel its cleanup's awaits too.
+        try:
+            if self.first is not None:
+                await body_send({"type": "http.response.body", "body": _event(self.first), "more_body": True})
+            async for chunk in self.chunks:
+                await body_send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+            last = DONE
+        except ServerError as exc:  # failed mid-stream: the status line is gone, so say it in the stream
+            last = _event(json.dumps(exc.body())) + DONE
+        await body_send({"type": "http.response.body", "body": last, "more_body": False})
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _event(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()

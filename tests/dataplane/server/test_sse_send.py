@@ -107,7 +107,8 @@ async def test_stream_chunks_skip_the_wrappers_and_the_span_still_gets_the_statu
     body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
     events = [line.removeprefix("data: ") for line in body.splitlines() if line]
     assert events[-1] == "[DONE]" and len(events) == 5  # four token chunks, [DONE]
-    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    assert sent[-1] == {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+    assert all(m["more_body"] for m in sent[1:-1])
     (span,) = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/completions"]
     assert span.attributes["http.response.status_code"] == 200
 
@@ -123,18 +124,18 @@ async def test_an_error_after_the_start_ends_the_stream_and_is_not_made_a_500():
     app = ServerSendApp()
 
     async def chunks():
-        yield "data: one\n\n"
+        yield "two"
         raise RuntimeError("broken renderer")
 
     @app.get("/s")
     async def stream() -> SseResponse:
-        return SseResponse(chunks())
+        return SseResponse("one", chunks())
 
     sent: list[Message] = []
     with pytest.raises(RuntimeError, match="broken renderer"):
         sent = await _capture(app, sent)
-    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
-    assert sent[0]["status"] == 200 and sent[1]["body"] == b"data: one\n\n"
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
+    assert sent[0]["status"] == 200 and [m["body"] for m in sent[1:]] == [b"data: one\n\n", b"data: two\n\n"]
 
 
 async def _capture(app: FastAPI, sent: list[Message]) -> list[Message]:
