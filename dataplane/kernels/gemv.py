@@ -14,9 +14,8 @@ CUDA-graph capturable.
 The same kernel reads 1-byte quantized weights (int8, or float8 e4m3 on GPUs that have it) with float32
 per-output-channel scales (modelfleet.dataplane.quantization's format): each weight tile is loaded as
 4-byte words and decoded to float32 in registers by bit operations (see _byte_to_f32), the activations
-stay in bf16/fp16, and the finished fp32 row sums are multiplied by
-their channel's scale once, before the bias. Half the bytes of bf16 cross from memory, which is what
-bounds a decode linear.
+stay in bf16/fp16, and the finished fp32 row sums are multiplied by their channel's scale once, before
+the bias. Half the bytes of bf16 cross from memory, which is what bounds a decode linear.
 """
 
 from __future__ import annotations
@@ -370,8 +369,8 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 
 # Fastest for 1-byte weights with scales at one row of x (`bench/gemv.py --sweep --weight-dtype int8`, and
 # fp8, on an H100, two sweeps each): the config taken is first or close behind for both formats (their
-# differences were within the 2-5% that one config varies between sweeps). The bytes
-# are decoded in registers, so more rows per program than for bf16 pay: they share each load of x.
+# differences were within the 2-5% that one config varies between sweeps). The bytes are decoded in
+# registers, so more rows per program than for bf16 pay: they share each load of x.
 TUNED_ONE_BYTE: dict[tuple[int, int, int], GemvConfig] = {
     (3072, 2048, 1): _cfg(4, 512),
     (2048, 2048, 1): _cfg(4, 1024),
@@ -470,10 +469,9 @@ def gemv(
     # the PDL instructions are compiled in wherever PDL exists (the wait is a no-op in a kernel launched
     # without it, and the trigger lets a PDL-launched successor start early either way)
     pdl = pdl_supported(x.device)
-    # 1-byte weights are read as 4-byte words and decoded by bit operations where K allows it
-    packed = (
-        scale is not None and cfg.decode_bits and k % 4 == 0 and block_k >= 64 and weight.stride(0) % 4 == 0
-    )
+    # 1-byte weights are read as 4-byte words and decoded by bit operations where rows are whole words
+    whole_words = k % 4 == 0 and weight.stride(0) % 4 == 0 and weight.storage_offset() % 4 == 0
+    packed = scale is not None and cfg.decode_bits and whole_words and block_k >= 64
     w_arg = weight.view(torch.int32) if packed else weight
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, rows_per_program))
     _gemv_kernel[grid](
