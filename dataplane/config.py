@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_KV_CACHE_DTYPES = ("auto", "fp8")  # as attention.kv_quant.KV_CACHE_DTYPES (not imported: no torch here)
+KV_CACHE_DTYPES = ("auto", "fp8")  # here, not in attention/kv_quant.py: this module imports no torch
 
 
 @dataclass
@@ -83,9 +83,9 @@ class EngineConfig:
         _check_speculative(self)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(_DTYPES)}")
-        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(_KV_CACHE_DTYPES)}"
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
             )
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check_prefill_fits(self.max_num_batched_tokens, self.max_model_len)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
+from modelfleet.dataplane.config import KV_CACHE_DTYPES
 
-KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_KV_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
 # e4m3 arithmetic (casts and the Triton kernels' fp8 loads) needs Ada or Hopper and newer.
