@@ -13,11 +13,14 @@ from modelfleet.dataplane.engine.protocol import EngineLimits
 from modelfleet.dataplane.manifest import single_model_manifest
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.auth import ANONYMOUS
-from modelfleet.dataplane.server.dataplane import RequestContext
+from modelfleet.dataplane.server.dataplane import DataPlane, RequestContext
 from modelfleet.dataplane.server.errors import BadRequest, EngineFailure, RateLimited
 from modelfleet.dataplane.server.protocol import CompletionRequest
 from modelfleet.dataplane.server.runtime import build_dataplane
 from modelfleet.dataplane.server.settings import ServerSettings
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 POISON = 13  # a prompt holding this token fails inside the scripted engine after two tokens
 
@@ -373,12 +376,8 @@ def test_prompt_plus_max_tokens_is_checked_against_the_longest_prompt_of_a_batch
         check_request(ServerSettings(), request, [[1] * 4, [1] * 60], 64)
 
 
-async def test_a_refused_request_ends_its_span_with_the_error():
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry.trace import StatusCode
-
+def traced_dataplane() -> tuple[DataPlane, InMemorySpanExporter]:
+    """A facade serving model `m` on a scripted engine, its finished spans kept by the exporter."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -390,6 +389,13 @@ async def test_a_refused_request_ends_its_span_with_the_error():
         estimate_bytes=lambda spec: 0,
     )
     dp.apply_manifest(single_model_manifest("/models/m", name="m"))
+    return dp, exporter
+
+
+async def test_a_refused_request_ends_its_span_with_the_error():
+    from opentelemetry.trace import StatusCode
+
+    dp, exporter = traced_dataplane()
     try:
         with pytest.raises(BadRequest):
             await dp.completion(CompletionRequest(model="m", prompt=[1] * 64, max_tokens=1), ctx())

@@ -7,18 +7,11 @@ import asyncio
 import json
 
 import pytest
-from fastapi import FastAPI
-from modelfleet.dataplane.manifest import single_model_manifest
 from modelfleet.dataplane.server.app import create_app
-from modelfleet.dataplane.server.runtime import build_dataplane
-from modelfleet.dataplane.server.settings import ServerSettings
 from modelfleet.dataplane.server.streaming import ServerSendApp, SseResponse
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tests.dataplane.server.test_dataplane import ScriptedEngine
+from tests.dataplane.server.test_dataplane import traced_dataplane
 
 
 class SeenSends:
@@ -35,8 +28,11 @@ class SeenSends:
         await self.app(scope, receive, recording)
 
 
-async def call(app: ASGIApp, path: str, body: dict | None = None) -> list[Message]:
-    """One HTTP request straight into the ASGI app; the messages the server's send got."""
+async def call(
+    app: ASGIApp, path: str, body: dict | None = None, sent: list[Message] | None = None
+) -> list[Message]:
+    """One HTTP request straight into the ASGI app; the messages the server's send got (in `sent` where
+    given, which keeps them when the app raises)."""
     payload = json.dumps(body).encode() if body is not None else b""
     scope = {
         "type": "http",
@@ -67,7 +63,7 @@ async def call(app: ASGIApp, path: str, body: dict | None = None) -> list[Messag
         await never.wait()  # the client stays connected
         return {"type": "http.disconnect"}
 
-    sent: list[Message] = []
+    sent = [] if sent is None else sent
 
     async def send(message: Message) -> None:
         sent.append(message)
@@ -78,17 +74,7 @@ async def call(app: ASGIApp, path: str, body: dict | None = None) -> list[Messag
 
 @pytest.fixture
 async def served():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    engine = ScriptedEngine()
-    dp = build_dataplane(
-        ServerSettings(),
-        tracer=provider.get_tracer("t"),
-        loader=lambda spec: engine,
-        estimate_bytes=lambda s: 0,
-    )
-    dp.apply_manifest(single_model_manifest("/models/m", name="m"))
+    dp, exporter = traced_dataplane()
     seen: list[str] = []
     app = create_app(dp)
     app.add_middleware(SeenSends, seen=seen)
@@ -133,21 +119,6 @@ async def test_an_error_after_the_start_ends_the_stream_and_is_not_made_a_500():
 
     sent: list[Message] = []
     with pytest.raises(RuntimeError, match="broken renderer"):
-        sent = await _capture(app, sent)
+        await call(app, "/s", sent=sent)
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
     assert sent[0]["status"] == 200 and [m["body"] for m in sent[1:]] == [b"data: one\n\n", b"data: two\n\n"]
-
-
-async def _capture(app: FastAPI, sent: list[Message]) -> list[Message]:
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    scope = {"type": "http", "method": "GET", "path": "/s", "headers": [], "query_string": b""}
-    never = asyncio.Event()
-
-    async def receive() -> Message:
-        await never.wait()
-        return {"type": "http.disconnect"}
-
-    await app(scope, receive, send)
-    return sent
