@@ -411,6 +411,19 @@ def check_version(step: str, headers, expected: str) -> str:
     return got
 
 
+def check_answer(step: str, text: Any, finish: Any, usage: Any, problems: list[str]) -> None:
+    """What both chat steps require of an answer (besides `problems`, the step's own): some text, cut
+    off by max_tokens, with usage counting exactly those tokens."""
+    if not isinstance(text, str) or not text.strip():
+        problems.append(f"content {text!r}")
+    if finish != "length":
+        problems.append(f"finish_reason {finish!r}")
+    if not isinstance(usage, dict) or usage.get("completion_tokens") != MAX_TOKENS:
+        problems.append(f"usage {usage}")
+    if problems:
+        raise StepFailed(step, "; ".join(problems))
+
+
 def chat(url: str, model: str, version: str) -> dict[str, Any]:
     import httpx
 
@@ -422,17 +435,8 @@ def chat(url: str, model: str, version: str) -> dict[str, Any]:
     body = r.json()
     choice = body["choices"][0]
     text = choice["message"]["content"]
-    problems = []
-    if body.get("object") != "chat.completion":
-        problems.append(f"object {body.get('object')!r}")
-    if not isinstance(text, str) or not text.strip():
-        problems.append(f"content {text!r}")
-    if choice.get("finish_reason") != "length":
-        problems.append(f"finish_reason {choice.get('finish_reason')!r}")
-    if body.get("usage", {}).get("completion_tokens") != MAX_TOKENS:
-        problems.append(f"usage {body.get('usage')}")
-    if problems:
-        raise StepFailed("chat", "; ".join(problems))
+    problems = [] if body.get("object") == "chat.completion" else [f"object {body.get('object')!r}"]
+    check_answer("chat", text, choice.get("finish_reason"), body.get("usage"), problems)
     return {
         "version": version,
         "text": text,
@@ -471,17 +475,7 @@ def chat_stream(url: str, model: str, version: str) -> dict[str, Any]:
                     pieces.append(content)
                 finish = choice.get("finish_reason") or finish
     text = "".join(pieces)
-    problems = []
-    if not done:
-        problems.append("no [DONE]")
-    if not text.strip():
-        problems.append("no content")
-    if finish != "length":
-        problems.append(f"finish_reason {finish!r}")
-    if not usage or usage.get("completion_tokens") != MAX_TOKENS:
-        problems.append(f"usage {usage}")
-    if problems:
-        raise StepFailed("chat-stream", "; ".join(problems))
+    check_answer("chat-stream", text, finish, usage, [] if done else ["no [DONE]"])
     return {
         "version": version,
         "text": text,
