@@ -10,22 +10,17 @@ from modelfleet.dataplane import LLM, SamplingParams
 from modelfleet.operator.api import Engine
 from pydantic import ValidationError
 
+from tests.seams.test_speculative_settings import inference_model as speculative_inference_model
 from tests.seams.test_speculative_settings import served_engine_config, version
 
 KV_CACHE_BYTES = 1 << 19  # 64 float32 blocks of the tiny model: below what 4 sequences could fill
 
 
 def inference_model(engine: dict) -> dict:
-    return {
-        "apiVersion": "modelfleet.dev/v1alpha1",
-        "kind": "InferenceModel",
-        "metadata": {"name": "chat", "namespace": "team-a", "uid": "u-1", "generation": 1},
-        "spec": {
-            "hardware": {"accelerator": "cpu", "count": 1},
-            "engine": {"maxNumSeqs": 4, "kvCacheBytes": KV_CACHE_BYTES, **engine},
-            "traffic": [{"version": "v1", "weight": 100}],
-        },
-    }
+    """The speculative seam's InferenceModel (no proposer) with `engine` and a smaller kvCacheBytes."""
+    im = speculative_inference_model({})
+    im["spec"]["engine"].update(kvCacheBytes=KV_CACHE_BYTES, **engine)
+    return im
 
 
 def test_fp8_reaches_the_engine_and_its_cache(tiny_model_dir):
