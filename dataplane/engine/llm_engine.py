@@ -268,7 +268,7 @@ class LLMEngine(PromptChecks):
         token_ids, params = validated or self.validate(prompt, params)
         compiled = self._compile(params)
         # A grammar compiled already (or failed: ValueError, before anything is queued) is used now.
-        grammar = self._matcher(compiled, params) if compiled is not None and compiled.done() else None
+        grammar = self._matcher(compiled) if compiled is not None and compiled.done() else None
         seq = Sequence(
             request_id,
             token_ids,
@@ -301,8 +301,8 @@ class LLMEngine(PromptChecks):
         return self._grammars.compile(params.structured)
 
     @staticmethod
-    def _matcher(compiled: Future[Any], params: SamplingParams) -> Any:
-        return Grammars.matcher(compiled.result(), params)
+    def _matcher(compiled: Future[Any]) -> Any:
+        return Grammars.matcher(compiled.result())
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready join the scheduler; one whose compile failed ends with its
@@ -315,7 +315,7 @@ class LLMEngine(PromptChecks):
                 continue
             del self._compiling[request_id]
             try:
-                seq.grammar = self._matcher(compiled, seq.params)
+                seq.grammar = self._matcher(compiled)
             except Exception as exc:  # ValueError from the compile; anything else fails this request only
                 _end_unscheduled(seq, "error", str(exc))
                 outputs.append(self._take_output(self._requests.pop(request_id)))

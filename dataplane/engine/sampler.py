@@ -105,7 +105,7 @@ class Sampler:
         params = [s.params for s in seqs]
         constrained = any(s.grammar is not None for s in seqs)
         # A constrained row whose sampling needs only a temperature is one for the fused sampler once masked.
-        if self.fused and all(s.temperature_only or _masked_temperature_only(s) for s in seqs):
+        if self.fused and all(s.temperature_only for s in seqs):
             if constrained:
                 logits = self._apply_grammars(logits, seqs)
             self._previous = self._sample_fused(logits, seqs, params)
@@ -189,10 +189,6 @@ class Sampler:
             greedy_mask = torch.tensor(greedy).to(device, non_blocking=True)
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled
-
-
-def _masked_temperature_only(seq: Sequence) -> bool:
-    return seq.grammar is not None and seq.grammar.temperature_only
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -57,8 +58,11 @@ class Sequence:
         # Chained hashes of this sequence's full blocks, computed once each.
         self.block_hashes: list[int] = []
         # Read for every sequence on every step, so taken from the parameters once: whether sampling
-        # needs only temperatures (the fused sampler) and whether penalties read the tokens on the host.
-        self.temperature_only = params.temperature_only
+        # needs only temperatures (the fused sampler; a grammar's mask is applied before either sampler)
+        # and whether penalties read the tokens on the host.
+        self.temperature_only = params.temperature_only or (
+            params.structured is not None and dataclasses.replace(params, structured=None).temperature_only
+        )
         self.has_penalties = params.has_penalties
         # Whether a speculative engine proposes drafts for it (engine/speculative.py): greedy, or sampling
         # with a temperature alone and no seed of its own (filters do not move a greedy token; penalties,

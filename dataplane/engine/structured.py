@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     import torch
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
-    from modelfleet.dataplane.sampling_params import SamplingParams
 
 KINDS = ("json_object", "json_schema")
 # json_object is OpenAI's "any JSON object" (not an array or a bare value).
@@ -158,11 +157,11 @@ class Grammars:
         return CompiledSchema(grammar, self.vocab)
 
     @staticmethod
-    def matcher(compiled: CompiledSchema, params: SamplingParams) -> SequenceGrammar:
+    def matcher(compiled: CompiledSchema) -> SequenceGrammar:
         """A fresh matcher for one sequence, from a compiled grammar (cheap: on the engine thread)."""
         import xgrammar
 
-        return SequenceGrammar(xgrammar.GrammarMatcher(compiled.grammar), params, compiled.vocab)
+        return SequenceGrammar(xgrammar.GrammarMatcher(compiled.grammar), compiled.vocab)
 
     def _make_compiler(self) -> Any:
         if self.tokenizer is None:
@@ -185,14 +184,12 @@ class SequenceGrammar:
     """One sequence's matcher and how many of its output tokens it has accepted (it follows the tokens
     when its sequence next samples, so tokens still in flight need no wait before that)."""
 
-    __slots__ = ("matcher", "num_accepted", "temperature_only", "vocab")
+    __slots__ = ("matcher", "num_accepted", "vocab")
 
-    def __init__(self, matcher: Any, params: SamplingParams, vocab: GrammarVocab) -> None:
+    def __init__(self, matcher: Any, vocab: GrammarVocab) -> None:
         self.matcher = matcher
         self.num_accepted = 0
         self.vocab = vocab
-        # Sampling needs nothing but a temperature once the mask is applied: the fused sampler's rows.
-        self.temperature_only = dataclasses.replace(params, structured=None).temperature_only
 
     def accept(self, token: int) -> None:
         """Follows one sampled token. A rejected token (a failed row's) is ignored: that row's request
