@@ -264,28 +264,19 @@ class CompletionRenderer(Renderer):
         choice = self.choices[event.index]
         offset = len(choice.text) - len(event.new_text)
         logprobs = self._logprobs(tokenizer, event.new_token_ids, event.logprobs or (), offset)
-        return CompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.request.model,
-            choices=[
-                CompletionChoice(
-                    index=event.index,
-                    text=event.new_text,
-                    logprobs=logprobs,
-                    finish_reason=event.finish_reason,
-                )
-            ],
-        )
+        return self._text_chunk(event.index, event.new_text, event.finish_reason, logprobs)
 
     def _plain_chunk(self, index: int, text: str, finish_reason: str | None) -> CompletionChunk | None:
         if self.request.logprobs is not None:
             return None
+        return self._text_chunk(index, text, finish_reason)
+
+    def _text_chunk(
+        self, index: int, text: str, finish_reason: str | None, logprobs: CompletionLogprobs | None = None
+    ) -> CompletionChunk:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
         return CompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.request.model,
-            choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason)],
+            id=self.response_id, created=self.created, model=self.request.model, choices=[choice]
         )
 
     def usage_chunk(self) -> CompletionChunk:
@@ -392,27 +383,19 @@ class ChatRenderer(Renderer):
                         ToolCallDelta(index=i, id=c.id, type="function", function=c.function)
                         for i, c in enumerate(_calls_out(calls))
                     ]
-        return ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.request.model,
-            choices=[
-                ChatChunkChoice(
-                    index=event.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
-                )
-            ],
-        )
+        return self._delta_chunk(event.index, delta, finish_reason, logprobs)
 
     def _plain_chunk(self, index: int, text: str, finish_reason: str | None) -> ChatCompletionChunk | None:
         if self.request.logprobs or self.tool_names:
             return None
+        return self._delta_chunk(index, ChatDelta(content=text), finish_reason)
+
+    def _delta_chunk(
+        self, index: int, delta: ChatDelta, finish_reason: str | None, logprobs: ChatLogprobs | None = None
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.request.model,
-            choices=[
-                ChatChunkChoice(index=index, delta=ChatDelta(content=text), finish_reason=finish_reason)
-            ],
+            id=self.response_id, created=self.created, model=self.request.model, choices=[choice]
         )
 
     def usage_chunk(self) -> ChatCompletionChunk:
