@@ -168,9 +168,9 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         for name, b in model.named_buffers()
         if name.endswith((".weight", ".weight_scale"))
     )
-    # A tied model whose artifact quantized lm_head has its own head: its embedding is read by rows.
-    tied = getattr(model.config, "tie_word_embeddings", False) and getattr(model, "lm_head", None) is None
-    if not tied:
+    # Without lm_head the logits read the whole embedding (tied); a tied model whose artifact quantized
+    # the head has one, and then reads only its tokens' rows of the embedding, as an untied one.
+    if model.lm_head is not None:
         for name, p in model.named_parameters():
             if "embed" in name:
                 total -= p.numel() * p.element_size()

@@ -89,10 +89,9 @@ def load_model(
     backend = get_backend(attention_backend or attention_backend_name(device))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, tp)
-    # A tied checkpoint may still carry lm_head.weight (a copy of the embeddings): ignore it, unless it
-    # is the quantized head the model was built to load.
-    untied = model.lm_head is not None
-    ignore = {"lm_head.weight"} if config.tie_word_embeddings and not untied else set()
+    # A model without lm_head computes its logits from the embeddings (tied, the head not quantized): a
+    # tied checkpoint may still carry lm_head.weight, a copy of them, to ignore.
+    ignore = {"lm_head.weight"} if model.lm_head is None else set()
     ignore |= model.tensors_held_elsewhere()
     load_weights(model, model_dir, device, dtype, ignore=ignore)
     model.after_load(device)
