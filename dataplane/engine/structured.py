@@ -268,20 +268,18 @@ class GrammarMasks:
         """The host bitmask, free to fill: the copy queued from it last has run."""
         import torch
 
+        if self._copied is not None:
+            self._copied.synchronize()
         host = self._host
         words = self._xgrammar.get_bitmask_shape(1, vocab)[1]
         if host is None or host.shape[0] < num_rows or host.shape[1] != words:
             rows = max(MIN_ROWS, num_rows)
             on_device = device.type != "cpu"
-            if self._copied is not None:
-                self._copied.synchronize()  # the old buffer may still be read by its copy
             host = torch.empty((rows, words), dtype=torch.int32, pin_memory=on_device)
             self._host = host
             if on_device:
                 self._device = torch.empty((rows, words), dtype=torch.int32, device=device)
                 self._copied = torch.cuda.Event()
-        elif self._copied is not None:
-            self._copied.synchronize()
         return host
 
 
@@ -295,11 +293,13 @@ class _PaddingMask:
 
         self.vocab = vocab
         self.device = device
+        # Where each far stop's bit lies in a bitmask row: its word and its shift in that word.
         grammar_ids = torch.arange(vocab.tokenizer_size, vocab.size, dtype=torch.int32)
-        self._host_words, self._host_shifts = (grammar_ids // 32).numpy(), (grammar_ids % 32).numpy()
+        words, shifts = grammar_ids // 32, grammar_ids % 32
+        self._host_words, self._host_shifts = words.numpy(), shifts.numpy()
         self._far = torch.tensor(vocab.far_stops, dtype=torch.long).to(device)
-        self._words = (grammar_ids // 32).long().to(device)
-        self._shifts = (grammar_ids % 32).to(device)
+        self._words = words.long().to(device)
+        self._shifts = shifts.to(device)
 
     def apply(
         self, logits: torch.Tensor, bitmask: torch.Tensor, host: torch.Tensor, indices: list[int] | None
