@@ -111,24 +111,26 @@ class Renderer:
         if template is None:
             self.add(event)
             return self.chunk(event, tokenizer).model_dump_json()
-        choice = self.choices.get(index)
-        if choice is None:
-            choice = self.choices[index] = _Choice()
-        choice.num_tokens += len(event.new_token_ids)
-        if event.finish_reason:
-            choice.finish_reason = event.finish_reason
+        self._count(event)
         return template.fill(event.new_text, event.finish_reason)
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
         raise NotImplementedError
 
     def add(self, event: ChoiceEvent) -> _Choice:
-        choice = self.choices.setdefault(event.index, _Choice())
+        choice = self._count(event)
         choice.text += event.new_text
-        choice.num_tokens += len(event.new_token_ids)
         choice.token_ids.extend(event.new_token_ids)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
+        return choice
+
+    def _count(self, event: ChoiceEvent) -> _Choice:
+        """The event's tokens and finish reason, on its choice: all that a templated stream keeps."""
+        choice = self.choices.get(event.index)
+        if choice is None:
+            choice = self.choices[event.index] = _Choice()
+        choice.num_tokens += len(event.new_token_ids)
         if event.finish_reason:
             choice.finish_reason = event.finish_reason
         return choice
