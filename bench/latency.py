@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem := model_args_problem(args):
         print(problem, file=sys.stderr)
         return 2
+    if args.quantize_lm_head and not args.quantize:
+        print("--quantize-lm-head: applies to the --quantize artifacts; name one", file=sys.stderr)
+        return 2
     if args.output_len < 2:
         print("--output-len: needs at least 2 tokens (a decode rate needs decode steps)", file=sys.stderr)
         return 2
