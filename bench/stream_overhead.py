@@ -234,11 +234,12 @@ def measure(args: argparse.Namespace, delivery: str) -> dict:
                 send = http_sender(session, url, "bench", args.output_len)
                 await run_load(send, prompts[:4], float("inf"), None, 0)  # warm-up
                 profiler = start_profiler(args.profile, server.pid)
-                before = sum(process.cpu_times()[:2])
-                results, duration = await run_load(send, prompts, float("inf"), args.max_concurrency, 0)
-                cpu_s = sum(process.cpu_times()[:2]) - before
-                stop_profiler(profiler)
-                return results, duration, cpu_s
+                try:  # a failed load does not leave py-spy running
+                    before = sum(process.cpu_times()[:2])
+                    results, duration = await run_load(send, prompts, float("inf"), args.max_concurrency, 0)
+                    return results, duration, sum(process.cpu_times()[:2]) - before
+                finally:
+                    stop_profiler(profiler)
 
         results, duration, cpu_s = asyncio.run(load())
     finally:
