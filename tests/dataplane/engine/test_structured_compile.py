@@ -176,20 +176,23 @@ def test_ignore_eos_is_refused_with_a_grammar(llm):
 def test_a_terminated_grammar_masks_nothing(llm):
     """A matcher that has accepted its end is left alone by the sampler's mask (it would raise)."""
     import torch
-    from modelfleet.dataplane.engine.structured import GrammarMasks
+    from modelfleet.dataplane.engine.structured import GrammarMasks, GrammarVocab
 
     class Done:
         def is_terminated(self) -> bool:
             return True
 
-        def fill_next_token_bitmask(self, bitmask, index) -> None:
+    class Filler:
+        def batch_fill_next_token_bitmask(self, matchers, bitmask, indices) -> None:
             raise AssertionError("a terminated matcher was asked for a mask")
 
     class Grammar:
-        matcher, num_accepted = Done(), 0
+        matcher, num_accepted, vocab = Done(), 0, GrammarVocab(32, 32)
 
     class Seq:
         grammar, output_token_ids, num_inflight = Grammar(), [], 1
 
+    masks = GrammarMasks()
+    masks._filler = Filler()
     logits = torch.zeros(1, 32)
-    assert torch.equal(GrammarMasks().apply(logits, [Seq()], None), torch.zeros(1, 32))
+    assert torch.equal(masks.apply(logits, [Seq()], None), torch.zeros(1, 32))
