@@ -15,11 +15,8 @@ import math
 
 import torch
 from modelfleet.dataplane.config import KV_CACHE_DTYPES
-
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
-# e4m3 arithmetic (casts and the Triton kernels' fp8 loads) needs Ada or Hopper and newer.
-FP8_MIN_CAPABILITY = (8, 9)
+from modelfleet.dataplane.quantization import FP8_DTYPE as FP8_KV_DTYPE
+from modelfleet.dataplane.quantization import FP8_MAX, fp8_supported
 
 
 def is_fp8(kv_cache: torch.Tensor) -> bool:
@@ -58,14 +55,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         raise ValueError(f"kv_cache_dtype: {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     if name == "auto":
         return model_dtype
-    if device.type == "cpu":
+    # e4m3 arithmetic (casts and the Triton kernels' fp8 loads) needs Ada or Hopper and newer, as the fp8
+    # weights' matmuls do.
+    if device.type == "cpu" or fp8_supported(device):
         return FP8_KV_DTYPE
     where = str(device)
     if device.type == "cuda" and torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability(device)
-        if capability >= FP8_MIN_CAPABILITY:
-            return FP8_KV_DTYPE
-        where = f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
     raise ValueError(
         f"kv_cache_dtype: fp8 needs a CUDA GPU with compute capability >= 8.9 (L4, H100, H200); {where} "
         "has none: use kv_cache_dtype auto"
