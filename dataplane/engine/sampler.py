@@ -30,8 +30,8 @@ class SamplerOutput:
 
 class SampledBatch:
     """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the
-    host once `result()` is called. The copy to the host is queued behind the sampling, so the host
-    can launch more work before it waits."""
+    host once `result()` (or `host_token_ids()`, the ids alone) is called. The copy to the host is
+    queued behind the sampling, so the host can launch more work before it waits."""
 
     def __init__(
         self,
