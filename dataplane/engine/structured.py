@@ -95,7 +95,8 @@ class GrammarVocab:
 
     @property
     def padded(self) -> bool:
-        """Whether the model has ids past the grammar's, or stop ids moved (masked apart either way)."""
+        """Whether the model has ids past the grammar's (masked apart; a far stop's grammar id is then
+        not its own). Not padded, any far stops are the model's last ids, in order: the same ids."""
         return self.size < self.model_size
 
     def grammar_id(self, token: int) -> int:
