@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import Annotated, Any, Literal
 
-from modelfleet.converters.formats import ACCELERATORS, DTYPES, FORMATS
+from modelfleet.converters.formats import ACCELERATORS, DTYPES, FORMATS, hardware
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -328,6 +328,18 @@ class InferenceModelSpec(_Model):
             split = ", ".join(f"{t.version}={t.weight}" for t in traffic)
             raise ValueError(f"weights must sum to 100, got {total} ({split})")
         return traffic
+
+    @model_validator(mode="after")
+    def _kv_cache_dtype_fits_the_hardware(self) -> InferenceModelSpec:
+        # Refused here, with the model's status saying why, rather than by every pod at engine start.
+        # cpu emulates an fp8 cache (for tests and the local fleet); GPUs need fp8 in the hardware table.
+        accelerator = self.hardware.accelerator
+        fp8_here = accelerator == "cpu" or "fp8" in hardware(accelerator).dtypes
+        if self.engine.kv_cache_dtype == "fp8" and not fp8_here:
+            raise ValueError(
+                f"engine.kvCacheDtype fp8 needs an accelerator with fp8; {accelerator} has none: use auto"
+            )
+        return self
 
     @model_validator(mode="after")
     def _candidate_in_traffic(self) -> InferenceModelSpec:

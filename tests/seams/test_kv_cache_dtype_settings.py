@@ -46,3 +46,15 @@ def test_unset_is_auto_and_other_values_are_refused(tiny_model_dir):
     assert Engine().kv_cache_dtype == "auto"
     with pytest.raises(ValidationError, match="kvCacheDtype"):
         Engine(kvCacheDtype="int8")
+
+
+def test_fp8_on_an_accelerator_without_fp8_is_refused_before_any_pod_starts():
+    from modelfleet.operator.validation import InvalidResource, validate_inference_model
+
+    im = inference_model({"kvCacheDtype": "fp8"})
+    for accelerator in ("cpu", "nvidia-h100"):  # cpu emulates it; an H100 has fp8
+        im["spec"]["hardware"]["accelerator"] = accelerator
+        assert validate_inference_model(im).spec.engine.kv_cache_dtype == "fp8"
+    im["spec"]["hardware"]["accelerator"] = "nvidia-a100"
+    with pytest.raises(InvalidResource, match="kvCacheDtype fp8 needs an accelerator with fp8; nvidia-a100"):
+        validate_inference_model(im)
