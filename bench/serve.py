@@ -425,7 +425,9 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
     process, url = start_server(model_dir, args.model_name, args.engine)
     try:
         for n in points:
-            served[n] = asyncio.run(run_http(url, args.model_name, with_concurrency(args, n), prompts))
+            served[n] = asyncio.run(
+                run_http(url, args.model_name, with_concurrency(args, n), prompts, server_pid=process.pid)
+            )
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -444,7 +446,9 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
         process, url = start_server(None, args.model_name, [], manifest=manifest)
         try:
             pair_args = with_concurrency(args, args.ab_streams)
-            pair = asyncio.run(run_http(url, args.model_name, pair_args, prompts, by_version=True))
+            pair = asyncio.run(
+                run_http(url, args.model_name, pair_args, prompts, by_version=True, server_pid=process.pid)
+            )
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -495,19 +499,93 @@ def http_session(max_connections: int) -> aiohttp.ClientSession:
     )
 
 
-async def run_http(url: str, model: str, args, prompts, *, by_version: bool = False) -> dict:
+async def load_http(
+    url: str,
+    model: str,
+    output_len: int,
+    prompts,
+    rate: float,
+    concurrency: int | None,
+    seed: int,
+    warmed=lambda: None,
+) -> tuple[list[Result], float]:
+    """One client's load (one event loop): a warm-up, `warmed()`, then the prompts."""
     if aiohttp is None:
-        send = raw_http_sender(url, model, args.output_len)
-        await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm-up
-        results, duration = await run_load(send, prompts, args.request_rate, args.max_concurrency, args.seed)
+        send = raw_http_sender(url, model, output_len)
+        await run_load(send, prompts[:2], float("inf"), None, seed)
+        warmed()
+        return await run_load(send, prompts, rate, concurrency, seed)
+    async with http_session(concurrency or len(prompts)) as session:
+        send = http_sender(session, url, model, output_len)
+        await run_load(send, prompts[:2], float("inf"), None, seed)
+        warmed()
+        return await run_load(send, prompts, rate, concurrency, seed)
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux /proc; psutil may be missing on a GPU host)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _client_process(job: tuple, barrier, replies) -> None:
+    """A client process of split_load: its share of the prompts, started once every client is warm."""
+    cpu = time.process_time()
+    results, duration = asyncio.run(load_http(*job, warmed=barrier.wait))
+    finished = time.perf_counter()
+    replies.put((results, finished - duration, finished, time.process_time() - cpu))
+
+
+def split_load(url: str, model: str, args, prompts, processes: int) -> tuple[list[Result], float, float]:
+    """The load over several client processes (spawned), each with a share of the prompts and of the
+    concurrency: one Python client parsing every event of hundreds of fast streams saturates its core
+    and would measure itself, not the server. Returns the results, the wall time from the first start
+    to the last end (perf_counter is one clock for all processes), and the busiest client's CPU use."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    concurrency = args.max_concurrency or len(prompts)
+    processes = max(1, min(processes, concurrency, len(prompts)))
+    barrier, replies = context.Barrier(processes), context.Queue()
+    rate = args.request_rate / processes
+    clients = []
+    for i in range(processes):
+        share = concurrency // processes + (1 if i < concurrency % processes else 0)
+        job = (url, model, args.output_len, prompts[i::processes], rate, share, args.seed + i)
+        clients.append(context.Process(target=_client_process, args=(job, barrier, replies), daemon=True))
+        clients[-1].start()
+    replies_got = [replies.get(timeout=900) for _ in clients]
+    for client in clients:
+        client.join(timeout=30)
+    results = [r for reply in replies_got for r in reply[0]]
+    started, finished = min(r[1] for r in replies_got), max(r[2] for r in replies_got)
+    duration = finished - started
+    return results, duration, max(r[3] for r in replies_got) / max(duration, 1e-9)
+
+
+async def run_http(
+    url: str, model: str, args, prompts, *, by_version: bool = False, server_pid: int | None = None
+) -> dict:
+    """The load against a server: one JSON summary; with the server's pid, its CPU use (1.0 is one
+    core busy all along) and the busiest client's, so that a saturated side shows."""
+    before = cpu_seconds(server_pid) if server_pid is not None else 0.0
+    processes = getattr(args, "client_processes", 1)
+    if processes > 1:
+        loop = asyncio.get_running_loop()
+        results, duration, client_cpu = await loop.run_in_executor(
+            None, split_load, url, model, args, prompts, processes
+        )
     else:
-        async with http_session(args.max_concurrency or len(prompts)) as session:
-            send = http_sender(session, url, model, args.output_len)
-            await run_load(send, prompts[:2], float("inf"), None, args.seed)  # warm-up
-            results, duration = await run_load(
-                send, prompts, args.request_rate, args.max_concurrency, args.seed
-            )
+        cpu = time.process_time()
+        results, duration = await load_http(
+            url, model, args.output_len, prompts, args.request_rate, args.max_concurrency, args.seed
+        )
+        client_cpu = (time.process_time() - cpu) / max(duration, 1e-9)  # warm-up included: a bound
     summary = summarize(results, duration, args.input_len)
+    summary["client_processes"] = processes
+    summary["client_cpu_util_max"] = round(client_cpu, 3)
+    if server_pid is not None:
+        summary["server_cpu_util"] = round((cpu_seconds(server_pid) - before) / max(duration, 1e-9), 3)
     if by_version:  # each version's figures over the same wall time (their throughputs add up)
         versions = sorted({r.version for r in results if r.ok})
         summary["versions"] = {
@@ -551,6 +629,13 @@ def main() -> int:
         "two versions 50/50 on one device against one version (one JSON line per case)",
     )
     parser.add_argument("--ab-streams", type=int, default=128, help="concurrency of the suite's A/B case")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="client processes sharing the load (each parses its streams' events on its own core); "
+        "each JSON summary reports the busiest client's CPU use",
+    )
     parser.add_argument("--demo-dir", type=Path, default=Path(".modelfleet/bench"))
     parser.add_argument(
         "--structured", action="store_true", help="plain vs JSON-schema chat completions, one line each"
@@ -613,7 +698,9 @@ def main() -> int:
     else:
         process, url = start_server(model_dir, args.model_name, args.engine)
         try:
-            report["server"] = asyncio.run(run_http(url, args.model_name, args, prompts))
+            report["server"] = asyncio.run(
+                run_http(url, args.model_name, args, prompts, server_pid=process.pid)
+            )
         finally:
             process.terminate()
             process.wait(timeout=30)

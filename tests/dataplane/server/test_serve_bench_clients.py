@@ -1,0 +1,64 @@
+"""bench/serve.py's client split over processes, against a live server of the tiny demo model: every
+request is answered once, whatever the split, and the summary says how busy the server and the
+busiest client were (the figures that tell a saturated client from a saturated server)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def serve_bench():
+    import sys
+
+    bench = str(Path(__file__).parents[3] / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import serve
+
+        yield serve
+    finally:
+        sys.path.remove(bench)
+
+
+def test_a_split_client_answers_every_request_once(tiny_model_dir, serve_bench):
+    process, url = serve_bench.start_server(tiny_model_dir, "tiny", ["max_model_len=256"])
+    try:
+        prompts = serve_bench.random_prompts(10, 8, 200, seed=0)
+        args = argparse.Namespace(
+            output_len=6, request_rate=float("inf"), max_concurrency=4, seed=0, input_len=8
+        )
+        summaries = {}
+        for processes in (1, 3):
+            args.client_processes = processes
+            summaries[processes] = asyncio.run(
+                serve_bench.run_http(url, "tiny", args, prompts, server_pid=process.pid)
+            )
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    for processes, summary in summaries.items():
+        assert summary["client_processes"] == processes
+        assert (summary["completed"], summary["failed"]) == (10, 0), summary["first_error"]
+        assert summary["output_throughput_tok_s"] > 0
+        assert 0 < summary["server_cpu_util"] <= os.cpu_count()
+        assert 0 < summary["client_cpu_util_max"] <= 1.5
+    # Each of the 10 answers counted its 6 tokens: none lost or counted twice across the clients.
+    durations = {p: s["duration_s"] for p, s in summaries.items()}
+    tokens = {p: round(s["output_throughput_tok_s"] * durations[p]) for p, s in summaries.items()}
+    assert tokens == {1: 60, 3: 60}
+
+
+def test_cpu_seconds_reads_this_process(serve_bench):
+    import time
+
+    before = serve_bench.cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    assert serve_bench.cpu_seconds(os.getpid()) - before >= 0.15
