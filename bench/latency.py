@@ -1,7 +1,9 @@
 """Batch-1 decode latency: our engine against Hugging Face `generate` in the same run, and the roofline.
 
 One prompt of --input-len random token ids, greedy, --output-len tokens (EOS ignored), repeated
---repeats times after a warm-up. Ours: decode rate from the request's first-token and finish times.
+--repeats times after a warm-up. Ours: decode rate from the request's first-token and finish times
+(every run's, their median and best), and the time of each decode step: wall-clock and, on CUDA, the
+GPU's own from CUDA events around the step's launch (median per run, slowest per run, median overall).
 Hugging Face: (generate of N tokens) - (generate of 1 token), over N - 1 tokens; optionally again with
 its static cache (`--hf-static`: its decode is compiled). Roofline: one decode step must read every
 weight once plus the KV cache, at the measured copy bandwidth. Prints one JSON line.
@@ -9,24 +11,29 @@ weight once plus the KV cache, at the measured copy bandwidth. Prints one JSON l
     python bench/latency.py --device cuda --preset llama-3.2-1b
     python bench/latency.py --model DIR --input-len 32 --output-len 32      # CPU
 
---tensor-parallel N also runs the engine split over N ranks after the one-rank run: `engine_tpN` and
-`speedup_tpN` (decode tokens/s over TP=1).
-
-    python bench/latency.py --device cuda --preset llama-3.1-8b --tensor-parallel 2 --skip-hf
-
 --quantize int8 / --quantize fp8 (repeatable) also runs the engine on the converter's per-channel
-artifact of the same model (quantized on --device into a temporary folder) after the source model's
-run, on the same prompt: `engine_int8` with its own weight bytes and roofline, and `speedup_int8`
-(decode tokens/s over the source model's run, the baseline measured in the same process).
+artifact of the same model (quantized on --device into a temporary folder), on the same prompt:
+`engine_int8` with its own weight bytes and roofline. Every engine is built once and kept (an 8B model
+in bf16, int8 and fp8 takes about 32 GB), and the runs are interleaved (bf16, int8, fp8, bf16, ...): a
+slow spell of a shared host or GPU then falls on every format alike. Ratios to the source model's:
+`speedup_int8` (median decode tokens/s), `_best` (best runs), `_step` (median step, blind to a few
+stalled steps) and `_device` (median GPU time per step, blind to the host).
 
-    python bench/latency.py --device cuda --preset llama-3.2-1b --quantize int8 --quantize fp8 --skip-hf
+    python bench/latency.py --device cuda --preset llama-3.2-1b --quantize int8 --quantize fp8 --skip-hf \
+        --repeats 7
 
 --quantize-lm-head: those artifacts quantize lm_head too (the converter's opt-in); the JSON says which.
+
+--tensor-parallel N also runs the engine split over N ranks after those: `engine_tpN` and `speedup_tpN`
+(decode tokens/s over TP=1).
+
+    python bench/latency.py --device cuda --preset llama-3.1-8b --tensor-parallel 2 --skip-hf
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -35,11 +42,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from throughput import (
     PRESETS,
+    DecodeStepTimer,
     build_preset,
     copy_bandwidth_gbps,
     kv_bytes_per_token,
@@ -49,44 +58,130 @@ from throughput import (
 )
 
 
-def run_engine(
-    args: argparse.Namespace,
-    prompt: list[int],
-    result: dict,
-    tensor_parallel: int = 1,
-    model: str | None = None,
-) -> dict:
-    """Decode rates of args.model (or `model`, a quantized artifact of it); a one-rank run records the
-    model's weight and KV bytes in `result`."""
-    from modelfleet.dataplane import LLM, SamplingParams
+def build_engine(args: argparse.Namespace, prompt_len: int, model: str, tensor_parallel: int = 1):
+    """An engine for one batch-1 request of prompt_len + --output-len tokens, warmed up on `warm_up`."""
+    from modelfleet.dataplane import LLM
 
-    llm = LLM(
-        model or args.model,
+    return LLM(
+        model,
         device=args.device,
         dtype=args.dtype,
         max_num_seqs=1,
-        max_model_len=len(prompt) + args.output_len,
+        max_model_len=prompt_len + args.output_len,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=tensor_parallel,
     )
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate([prompt], params)  # warm-up (kernel compilation, allocator)
-    rates, ttfts = [], []
-    for _ in range(args.repeats):
-        (out,) = llm.generate([prompt], params)
-        assert len(out.token_ids) == args.output_len
-        rates.append((args.output_len - 1) / (out.finished_time - out.first_token_time))
-        ttfts.append(out.first_token_time - out.arrival_time)
+
+
+class DecodeRuns:
+    """Decode runs of one engine on one prompt: each run's rate from the request's first-token and finish
+    times, and the time of each of its decode steps: wall-clock (DecodeStepTimer) and, on CUDA, the GPU's
+    own (CUDA events around each launch). A run whose rate drops while its GPU time per step does not
+    lost time on the host."""
+
+    def __init__(self, llm, prompt: list[int], output_len: int, device: str) -> None:
+        from modelfleet.dataplane import SamplingParams
+
+        self.llm, self.prompt, self.output_len = llm, prompt, output_len
+        self.params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+        llm.generate([prompt], self.params)  # warm-up (kernel compilation, allocator)
+        self.timer = DecodeStepTimer(llm, device_events=device == "cuda")
+
+    def __call__(self) -> dict:
+        self.timer.clear()
+        (out,) = self.llm.generate([self.prompt], self.params)
+        assert len(out.token_ids) == self.output_len
+        # The first decode step's launch also waits for the prefill's tokens: left out.
+        decode = [i for i, step in enumerate(self.timer.steps) if step[0]][1:]
+        device = self.timer.device_seconds()
+        return {
+            "rate": (self.output_len - 1) / (out.finished_time - out.first_token_time),
+            "ttft": out.first_token_time - out.arrival_time,
+            "step_s": [self.timer.steps[i][3] for i in decode],
+            "device_step_s": [device[i] for i in decode] if device else [],
+        }
+
+
+def interleave(runs: dict[str, Callable[[], dict]], repeats: int) -> dict[str, list[dict]]:
+    """`repeats` rounds of one run of each, in order (a, b, c, a, b, c, ...): a slow spell of the host
+    or the GPU then falls on every format alike rather than on whichever ran during it."""
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            results[name].append(run())
+    return results
+
+
+def engine_sizes(llm, record: dict) -> None:
     runner = llm.engine.runner
-    if tensor_parallel == 1:  # a rank's weights are a share of these
-        result["weight_bytes_per_step"] = weight_bytes_per_step(runner.model)
-        result["kv_bytes_per_token"] = kv_bytes_per_token(runner.model, runner.dtype)
-        result["cuda_graphs"] = runner.decode_graphs is not None
-    llm.engine.close()  # the other ranks' processes
-    del llm, runner
-    free_memory(args.device)
-    return summary(rates, ttfts)
+    record["weight_bytes_per_step"] = weight_bytes_per_step(runner.model)
+    record["kv_bytes_per_token"] = kv_bytes_per_token(runner.model, runner.dtype)
+    record["cuda_graphs"] = runner.decode_graphs is not None
+
+
+def close_engines(engines: list, device: str) -> None:
+    for llm in engines:
+        llm.engine.close()  # the other ranks' processes
+    engines.clear()
+    free_memory(device)
+
+
+def run_formats(args: argparse.Namespace, prompt: list[int], result: dict) -> None:
+    """The source model (`engine`) and each --quantize artifact (`engine_<fmt>`), every engine built
+    once and kept, their runs interleaved; then the ratios to the source's."""
+    names = ["engine"] + [f"engine_{fmt}" for fmt in args.quantize or []]
+    records: dict[str, dict] = {name: {} for name in names}
+    engines: list = []
+    runs: dict[str, Callable[[], dict]] = {}
+    with contextlib.ExitStack() as stack:
+        for name, fmt in zip(names, [None, *(args.quantize or [])], strict=True):
+            model = args.model
+            if fmt is not None:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-{fmt}-"))
+                model = quantized_artifact(args.model, fmt, tmp, args.device, args.quantize_lm_head)
+            engines.append(build_engine(args, len(prompt), model))
+            engine_sizes(engines[-1], records[name])
+            runs[name] = DecodeRuns(engines[-1], prompt, args.output_len, args.device)
+        measured = interleave(runs, args.repeats)
+        del runs
+        close_engines(engines, args.device)
+    result.update(records["engine"])  # its weight and KV bytes, and whether decode ran CUDA graphs
+    result["engine"] = summary(measured["engine"])
+    if "copy_bandwidth_gbps" in result:
+        result["roofline_tokens_per_s"] = roofline(args, result, result["engine"])
+    for fmt in args.quantize or []:
+        engine = result[f"engine_{fmt}"] = summary(measured[f"engine_{fmt}"])
+        engine["weight_bytes_per_step"] = records[f"engine_{fmt}"]["weight_bytes_per_step"]
+        if "copy_bandwidth_gbps" in result:
+            engine["roofline_tokens_per_s"] = roofline(args, result | records[f"engine_{fmt}"], engine)
+        result.update(speedups(fmt, engine, result["engine"]))
+
+
+def speedups(name: str, engine: dict, base: dict) -> dict[str, float]:
+    """`engine` over `base`: decode tokens/s, median runs (speedup_<name>) and best runs (_best); per step,
+    median wall time (_step: blind to a few stalled steps) and median GPU time (_device: to the host)."""
+    out = {
+        f"speedup_{name}": engine["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+        f"speedup_{name}_best": engine["decode_tokens_per_s_best"] / base["decode_tokens_per_s_best"],
+        f"speedup_{name}_step": base["step_ms_median"] / engine["step_ms_median"],
+    }
+    if "device_step_ms_median" in base:
+        out[f"speedup_{name}_device"] = base["device_step_ms_median"] / engine["device_step_ms_median"]
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def run_tensor_parallel(args: argparse.Namespace, prompt: list[int], result: dict) -> None:
+    tp = args.tensor_parallel
+    llm = build_engine(args, len(prompt), args.model, tp)
+    runs = DecodeRuns(llm, prompt, args.output_len, args.device)
+    measured = [runs() for _ in range(args.repeats)]
+    del runs
+    close_engines([llm], args.device)
+    result[f"engine_tp{tp}"] = summary(measured)
+    result[f"speedup_tp{tp}"] = round(
+        result[f"engine_tp{tp}"]["decode_tokens_per_s"] / result["engine"]["decode_tokens_per_s"], 2
+    )
 
 
 def run_hf(args: argparse.Namespace, prompt: list[int], static: bool) -> dict:
@@ -135,14 +230,29 @@ def roofline(args: argparse.Namespace, sizes: dict, engine: dict) -> float:
     return round(tokens_per_s, 1)
 
 
-def summary(rates: list[float], ttfts: list[float]) -> dict:
+def summary(runs: list[dict]) -> dict:
+    """Decode tokens/s of every run, their median and best; TTFT; decode step times (ms): the median of
+    each run's steps and its slowest, and the median over all runs' steps, wall-clock and GPU."""
+    rates = [r["rate"] for r in runs]
     rate = statistics.median(rates)
-    return {
+    out = {
         "decode_tokens_per_s": round(rate, 1),
+        "decode_tokens_per_s_best": round(max(rates), 1),
         "ms_per_token": round(1e3 / rate, 3),
         "decode_tokens_per_s_runs": [round(r, 1) for r in rates],
-        "ttft_ms": round(1e3 * statistics.median(ttfts), 2),
+        "ttft_ms": round(1e3 * statistics.median(r["ttft"] for r in runs), 2),
     }
+    keys = ["step_s", "device_step_s"] if all(r["device_step_s"] for r in runs) else ["step_s"]
+    for key in keys:
+        name = key.removesuffix("_s")
+        out[f"{name}_ms_median"] = ms(statistics.median(t for r in runs for t in r[key]))
+        out[f"{name}_ms_median_runs"] = [ms(statistics.median(r[key])) for r in runs]
+        out[f"{name}_ms_max_runs"] = [ms(max(r[key])) for r in runs]
+    return out
+
+
+def ms(seconds: float) -> float:
+    return round(1e3 * seconds, 3)
 
 
 def free_memory(device: str) -> None:
@@ -225,27 +335,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.device == "cuda":
         result["device_name"] = torch.cuda.get_device_name()
         result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
-    result["engine"] = run_engine(args, prompt, result)
+    run_formats(args, prompt, result)
     if args.tensor_parallel > 1:
-        tp = args.tensor_parallel
-        result[f"engine_tp{tp}"] = run_engine(args, prompt, result, tp)
-        result[f"speedup_tp{tp}"] = round(
-            result[f"engine_tp{tp}"]["decode_tokens_per_s"] / result["engine"]["decode_tokens_per_s"], 2
-        )
-    if "copy_bandwidth_gbps" in result:
-        result["roofline_tokens_per_s"] = roofline(args, result, result["engine"])
-    for fmt in args.quantize or []:
-        with tempfile.TemporaryDirectory(prefix=f"bench-{fmt}-") as tmp:
-            record: dict = {}
-            artifact = quantized_artifact(args.model, fmt, tmp, args.device, args.quantize_lm_head)
-            record["engine"] = run_engine(args, prompt, record, model=artifact)
-        engine = result[f"engine_{fmt}"] = record["engine"]
-        engine["weight_bytes_per_step"] = record["weight_bytes_per_step"]
-        if "copy_bandwidth_gbps" in result:
-            engine["roofline_tokens_per_s"] = roofline(args, result | record, engine)
-        result[f"speedup_{fmt}"] = round(
-            engine["decode_tokens_per_s"] / result["engine"]["decode_tokens_per_s"], 2
-        )
+        run_tensor_parallel(args, prompt, result)
     if not args.skip_hf:
         runs = {"hf": False, **({"hf_static": True} if args.hf_static else {})}
         for name, static in runs.items():

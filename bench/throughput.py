@@ -186,11 +186,18 @@ class DecodeStepTimer:
     """Times every engine step and notes which launched pure decode steps (one token per sequence),
     with their batch size and the KV tokens they read. A step launches its batch and then reads back
     the previous batch's tokens, so in steady decode the wall-clock time between step calls is the
-    device's time per step plus whatever host time the device did not hide."""
+    device's time per step plus whatever host time the device did not hide.
 
-    def __init__(self, llm) -> None:
+    `device_events` (CUDA): also records an event before and after each launch. The GPU stamps the first
+    when it has finished the previous step (or at once if it sat idle), so the span between the two is
+    the step's own GPU time, plus only the host time that the GPU spent waiting inside that launch."""
+
+    def __init__(self, llm, device_events: bool = False) -> None:
         self.steps: list[tuple[bool, int, int, float]] = []  # (decode, batch, kv tokens, seconds)
+        # Aligned with `steps` when device_events: the (start, end) CUDA events around each launch.
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._last: tuple[bool, int, int] | None = None
+        self._last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         engine, runner = llm.engine, llm.engine.runner
         launch, step = runner.launch, engine.step
 
@@ -199,18 +206,37 @@ class DecodeStepTimer:
             decode = all(s.num_new_tokens == 1 for s in items)
             kv_tokens = sum(s.num_computed_tokens + s.num_new_tokens for s in items)
             self._last = (decode, len(items), kv_tokens)
-            return launch(out)
+            if not device_events:
+                return launch(out)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            launched = launch(out)
+            end.record()
+            self._last_events = (start, end)
+            return launched
 
         def timed_step():
-            self._last = None
+            self._last, self._last_events = None, None
             start = time.perf_counter()
             result = step()
             end = time.perf_counter()
             if self._last is not None:
                 self.steps.append((*self._last, end - start))
+                if self._last_events is not None:
+                    self.events.append(self._last_events)
             return result
 
         runner.launch, engine.step = timed_launch, timed_step
+
+    def device_seconds(self) -> list[float]:
+        """GPU seconds of each timed step (aligned with `steps`); waits for the device."""
+        if self.events:
+            self.events[-1][1].synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self.events]
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.events.clear()
 
     def roofline(self, weight_bytes: int, kv_token_bytes: int, bandwidth_gbps: float) -> dict:
         decode = [s for s in self.steps if s[0]]
@@ -379,11 +405,19 @@ def rates(elapsed: float, requests: list[tuple[list[int], int]]) -> dict[str, fl
 
 
 def model_args_problem(args: argparse.Namespace) -> str | None:
-    """The one-line problem with --device, --model and --preset, or None (shared with latency.py)."""
+    """The one-line problem with --device, --model, --preset and --quantize, or None (shared with
+    latency.py)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA GPU visible to torch; run on a GPU machine or use --device cpu"
     if (args.model is None) == (args.preset is None):
         return "--model/--preset: give exactly one (a checkpoint folder or a preset shape)"
+    if "fp8" in (getattr(args, "quantize", None) or []):
+        from modelfleet.dataplane.quantization import QuantizationError, check_fp8_supported
+
+        try:  # refused before any model is built, rather than after the bf16 run
+            check_fp8_supported(args.device)
+        except QuantizationError as exc:
+            return f"--quantize fp8: {exc}"
     return None
 
 
