@@ -15,6 +15,10 @@ Where the work happens:
   n+1 runs on the device while the host waits for step n's tokens and fills n+1's masks); then one
   batched fill of a reused bitmask, one copy of it to the device and one masking kernel.
 
+Strings of bounded length (maxLength) are compiled as one rule per character written rather than as
+xgrammar's counted repetition (`bounded_strings_as_chains`): the same language and masks, but masks
+xgrammar can cache, ~30x cheaper fills with a 128k-id tokenizer.
+
 The grammars work in the tokenizer's ids, not the model's padded vocabulary (`GrammarVocab`): xgrammar
 spends time on every id without text in each fill and accept, ~150 us a row with a 2k-token tokenizer
 padded to 128k ids, so the ids past the tokenizer are masked apart, on the device.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -151,8 +156,11 @@ class Grammars:
     def _compile(self, structured: tuple[str, str]) -> CompiledSchema:
         compiler = self._compiler or self._make_compiler()
         assert self.vocab is not None  # made with the compiler
+        schema = _schema(structured)
         try:
-            grammar = compiler.compile_json_schema(_schema(structured), any_whitespace=False)
+            grammar = _compile_bounded_strings(compiler, schema)
+            if grammar is None:
+                grammar = compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as exc:
             raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
         return CompiledSchema(grammar, self.vocab)
@@ -179,6 +187,59 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# A string of bounded length (maxLength) as xgrammar writes it: `"\"" chars{min, max} "\""`, where `chars`
+# is a rule of one character class.
+_BOUNDED_STRING = re.compile(r'"\\"" (\w+)\{(\d+), (\d+)\} "\\""')
+_CHAR_CLASS_RULE = re.compile(r"^(\w+) ::= \(\((\[(?:[^\]\\]|\\.)*\])\)\)$")
+# What may follow a JSON string: xgrammar's own lookahead for its strings (compact or not).
+_AFTER_STRING = r"(=([ \n\r\t]* [,}\]:]))"
+# Longer bounds keep xgrammar's form: one rule per character would make compiles slow.
+MAX_CHAINED_LENGTH = 256
+
+
+def _compile_bounded_strings(compiler: Any, schema: str) -> Any:
+    """The schema's grammar with its bounded-length strings as chains of rules (bounded_strings_as_chains),
+    compiled; None for a schema without one (compiled as it is)."""
+    xgrammar = _xgrammar()
+    ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
+    chained = bounded_strings_as_chains(ebnf)
+    return None if chained == ebnf else compiler.compile_grammar(chained)
+
+
+def bounded_strings_as_chains(ebnf: str) -> str:
+    """xgrammar's grammar text with each string of bounded length written as one rule per character
+    written so far, each with the lookahead of xgrammar's own strings. The language is the same; the
+    masks are not: xgrammar writes such a string as a counted repetition, whose count its token-mask
+    cache cannot hold, so every token of the vocabulary is checked at each step inside the string (3 ms
+    a row with a 128k-id byte-level BPE tokenizer). One rule per count gives each count its own cached
+    mask, and the lookahead settles the tokens that close the string (~0.07 ms a row)."""
+    classes = {m[1]: m[2] for m in map(_CHAR_CLASS_RULE.match, ebnf.splitlines()) if m}
+    names = set(re.findall(r"^(\w+) ::=", ebnf, flags=re.MULTILINE))
+    chains: dict[str, list[str]] = {}
+
+    def chain(match: re.Match) -> str:
+        chars, low, high = match[1], int(match[2]), int(match[3])
+        prefix = f"{chars}_len_{low}_{high}_"
+        if chars not in classes or low > high or high > MAX_CHAINED_LENGTH or f"{prefix}0" in names:
+            return match[0]
+        if prefix not in chains:
+            chains[prefix] = [_chain_rule(prefix, classes[chars], i, low, high) for i in range(high + 1)]
+        return f'"\\"" {prefix}0'
+
+    rewritten = _BOUNDED_STRING.sub(chain, ebnf)
+    return "\n".join([rewritten.rstrip("\n"), *(rule for rules in chains.values() for rule in rules)]) + "\n"
+
+
+def _chain_rule(prefix: str, char_class: str, written: int, low: int, high: int) -> str:
+    """The rule for a bounded string's rest once `written` characters of it are written."""
+    choices = []
+    if written >= low:
+        choices.append('("\\"")')
+    if written < high:
+        choices.append(f"({char_class} {prefix}{written + 1})")
+    return f"{prefix}{written} ::= ({' | '.join(choices)}) {_AFTER_STRING}"
 
 
 class SequenceGrammar:
