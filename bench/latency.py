@@ -59,7 +59,7 @@ from throughput import (
 
 
 def build_engine(args: argparse.Namespace, prompt_len: int, model: str, tensor_parallel: int = 1):
-    """An engine for one batch-1 request of prompt_len + --output-len tokens, warmed up on `warm_up`."""
+    """An engine for one batch-1 request of prompt_len + --output-len tokens."""
     from modelfleet.dataplane import LLM
 
     return LLM(
@@ -100,7 +100,17 @@ class DecodeRuns:
             "ttft": out.first_token_time - out.arrival_time,
             "step_s": [self.timer.steps[i][3] for i in decode],
             "device_step_s": [device[i] for i in decode] if device else [],
+            "sm_clock_mhz": sm_clock_mhz() if device else None,
         }
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's SM clock as NVML last sampled it (None without NVML): batch-1 steps of a small model
+    are hundreds of short kernels whose times follow this clock, where a large model's follow memory."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # no pynvml, or NVML refused
+        return None
 
 
 def interleave(runs: dict[str, Callable[[], dict]], repeats: int) -> dict[str, list[dict]]:
@@ -209,15 +219,14 @@ def run_hf(args: argparse.Namespace, prompt: list[int], static: bool) -> dict:
 
     for _ in range(2 if static else 1):  # warm-up (the static cache's compilation)
         generate(args.output_len)
-    rates, ttfts = [], []
+    runs = []
     for _ in range(args.repeats):
         first = generate(1)
         full = generate(args.output_len)
-        rates.append((args.output_len - 1) / (full - first))
-        ttfts.append(first)
+        runs.append({"rate": (args.output_len - 1) / (full - first), "ttft": first})
     del model
     free_memory(args.device)
-    return summary(rates, ttfts)
+    return summary(runs)
 
 
 def roofline(args: argparse.Namespace, sizes: dict, engine: dict) -> float:
@@ -232,7 +241,8 @@ def roofline(args: argparse.Namespace, sizes: dict, engine: dict) -> float:
 
 def summary(runs: list[dict]) -> dict:
     """Decode tokens/s of every run, their median and best; TTFT; decode step times (ms): the median of
-    each run's steps and its slowest, and the median over all runs' steps, wall-clock and GPU."""
+    each run's steps and its slowest, and the median over all runs' steps, wall-clock and GPU (where the
+    runs timed them); the GPU's SM clock after each run where NVML reads it."""
     rates = [r["rate"] for r in runs]
     rate = statistics.median(rates)
     out = {
@@ -242,12 +252,13 @@ def summary(runs: list[dict]) -> dict:
         "decode_tokens_per_s_runs": [round(r, 1) for r in rates],
         "ttft_ms": round(1e3 * statistics.median(r["ttft"] for r in runs), 2),
     }
-    keys = ["step_s", "device_step_s"] if all(r["device_step_s"] for r in runs) else ["step_s"]
-    for key in keys:
+    for key in [k for k in ("step_s", "device_step_s") if all(r.get(k) for r in runs)]:
         name = key.removesuffix("_s")
         out[f"{name}_ms_median"] = ms(statistics.median(t for r in runs for t in r[key]))
         out[f"{name}_ms_median_runs"] = [ms(statistics.median(r[key])) for r in runs]
         out[f"{name}_ms_max_runs"] = [ms(max(r[key])) for r in runs]
+    if all(r.get("sm_clock_mhz") is not None for r in runs):
+        out["sm_clock_mhz_runs"] = [r["sm_clock_mhz"] for r in runs]
     return out
 
 

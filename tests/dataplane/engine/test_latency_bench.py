@@ -62,6 +62,9 @@ def test_summary_keeps_every_run_and_their_median_and_best(bench):
     assert out["step_ms_median"] == 12.0  # over all nine steps
     assert out["device_step_ms_median_runs"] == [9.0, 9.5, 10.0]
     assert out["device_step_ms_median"] == 9.5
+    assert "sm_clock_mhz_runs" not in out  # no clock read
+    clocked = latency.summary([{**r, "sm_clock_mhz": 1980 - 100 * i} for i, r in enumerate(runs)])
+    assert clocked["sm_clock_mhz_runs"] == [1980, 1880, 1780]
     # Without GPU times (the CPU) there are no device keys.
     cpu = latency.summary([{**r, "device_step_s": []} for r in runs])
     assert not any(k.startswith("device") for k in cpu)
@@ -116,6 +119,18 @@ def test_latency_builds_each_engine_once_and_interleaves_its_runs(bench, tiny_mo
     assert int8["weight_bytes_per_step"] < result["weight_bytes_per_step"]
 
 
+def test_latency_compares_with_hugging_face(bench, tiny_model_dir, capsys):
+    latency, _ = bench
+    argv = ["--model", str(tiny_model_dir), "--input-len", "8", "--output-len", "4", "--repeats", "2"]
+    assert latency.main(argv) == 0
+    result = json_line(capsys)
+    hf = result["hf"]
+    assert len(hf["decode_tokens_per_s_runs"]) == 2 and hf["decode_tokens_per_s"] > 0
+    assert "step_ms_median" not in hf  # its steps are not timed one by one
+    ours = result["engine"]["decode_tokens_per_s"]
+    assert result["ratio_vs_hf"] == round(ours / hf["decode_tokens_per_s"], 2)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host may run fp8; the refusal is for the CPU")
 @pytest.mark.parametrize("script", ["latency", "throughput"])
 def test_fp8_on_the_cpu_is_refused_before_any_engine_runs(bench, script, tiny_model_dir, capsys):
@@ -127,16 +142,32 @@ def test_fp8_on_the_cpu_is_refused_before_any_engine_runs(bench, script, tiny_mo
     assert "--quantize fp8: fp8 weights need a CUDA GPU with compute capability >= 8.9" in out.err
 
 
-def test_throughput_runs_the_int8_artifact_on_the_same_prompts(bench, tiny_model_dir, capsys):
+def test_throughput_runs_the_int8_artifact_on_the_same_prompts(bench, tiny_model_dir, monkeypatch, capsys):
     _, throughput = bench
+    built: list[tuple[str, bool]] = []
+    artifact = throughput.quantized_artifact
+
+    def recording_artifact(model_dir, fmt, out_dir, device="cpu", lm_head=False):
+        built.append((fmt, lm_head))
+        return artifact(model_dir, fmt, out_dir, device, lm_head)
+
+    monkeypatch.setattr(throughput, "quantized_artifact", recording_artifact)
     argv = ["--model", str(tiny_model_dir), "--num-prompts", "6", "--input-len", "12", "--output-len", "5"]
-    assert throughput.main([*argv, "--quantize", "int8", "--skip-hf"]) == 0
+    assert throughput.main([*argv, "--quantize", "int8", "--quantize-lm-head", "--skip-hf"]) == 0
     result = json_line(capsys)
+    assert built == [("int8", True)] and result["quantize_lm_head"] is True
     int8 = result["engine_int8"]
     assert result["output_tokens"] == 30 and int8["output_tokens_per_s"] > 0
     assert result["speedup_int8"] == round(
         int8["output_tokens_per_s"] / result["engine"]["output_tokens_per_s"], 2
     )
+
+
+@pytest.mark.parametrize("script", ["latency", "throughput"])
+def test_quantize_lm_head_needs_a_quantize_format(bench, script, tiny_model_dir, capsys):
+    module = dict(zip(("latency", "throughput"), bench, strict=True))[script]
+    assert module.main(["--model", str(tiny_model_dir), "--skip-hf", "--quantize-lm-head"]) == 2
+    assert "--quantize-lm-head: applies to the --quantize artifacts" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
@@ -152,4 +183,5 @@ def test_latency_on_cuda_times_each_step_on_the_gpu(bench, tiny_llama_dir, capsy
         # Steady decode: the engine steps as fast as the slower of the GPU and the host, so a step's GPU
         # time is at most its wall time (some slack: the two medians are over different steps' times).
         assert 0 < engine["device_step_ms_median"] <= engine["step_ms_median"] * 1.25
+        assert "sm_clock_mhz_runs" not in engine or len(engine["sm_clock_mhz_runs"]) == 2
     assert "speedup_int8_device" in result
