@@ -25,7 +25,8 @@ the one-rank baseline, on the same prompts: `engine_tpN` and `speedup_tpN` (outp
 
 --quantize int8 / --quantize fp8 (repeatable) also runs the engine on the converter's per-channel
 artifact of the same model (built in a temporary folder), after the bf16 run and on the same prompts:
-`engine_int8`, `speedup_int8` (output tokens/s over the source model's run), each with its own roofline.
+`engine_int8`, `speedup_int8` (output tokens/s over the source model's run), each with its own roofline;
+with --quantize-lm-head they quantize lm_head too.
 
     python bench/throughput.py --device cuda --preset llama-3.1-8b --num-prompts 1000 \\
         --input-len 128 --output-len 128 --quantize fp8 --quantize int8 --skip-hf
@@ -386,7 +387,7 @@ def run_quantized(
     """The engine on the `fmt` artifact of args.model (built beside it), in the same run as the source's:
     its rates, and its own weight bytes and roofline on a GPU."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{fmt}-") as tmp:
-        model = quantized_artifact(args.model, fmt, tmp, args.device)
+        model = quantized_artifact(args.model, fmt, tmp, args.device, args.quantize_lm_head)
         record = {k: result[k] for k in ("copy_bandwidth_gbps",) if k in result}
         elapsed = run_engine(args, requests, record, model=model)
     keys = ("engine_start_s", "weight_bytes_per_step", "roofline")
@@ -469,12 +470,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also run the engine on this quantized artifact of the model (repeatable): engine_<fmt>",
     )
     parser.add_argument(
+        "--quantize-lm-head", action="store_true", help="every --quantize artifact quantizes lm_head too"
+    )
+    parser.add_argument(
         "--tensor-parallel", type=int, default=1, help="also run the engine over N ranks (after TP=1)"
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.tensor_parallel < 1:
         print("--tensor-parallel: must be at least 1", file=sys.stderr)
+        return 2
+    if args.quantize_lm_head and not args.quantize:
+        print("--quantize-lm-head: applies to the --quantize artifacts; name one", file=sys.stderr)
         return 2
     gpu = args.device != "cpu"
     args.max_num_seqs = args.max_num_seqs or (256 if gpu else 64)
@@ -520,6 +527,8 @@ def run(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "hf_batch_size": args.hf_batch_size,
     }
+    if args.quantize:
+        result["quantize_lm_head"] = args.quantize_lm_head
     if args.device == "cuda":  # measured before the KV cache takes the free memory
         result["copy_bandwidth_gbps"] = round(copy_bandwidth_gbps(torch.device("cuda")), 1)
     result["engine"] = rates(run_engine(args, requests, result), requests)
