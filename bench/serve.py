@@ -14,8 +14,12 @@ With --streams it runs the front end's scale suite, one JSON line per case (150 
         --streams 64 256 512
 
 --structured measures structured output instead: the same chat prompts, plain and then constrained by a
-JSON schema (response_format), against one server in the same run; one JSON line for each.
+JSON schema (response_format), against one server in the same run; one JSON line for each. --schema long
+(the default: strings of maxLength 12) or records (typical records: integer, string, enum, array), or
+--json-schema FILE. A --preset is served with a byte-level BPE tokenizer (with_bpe_tokenizer).
     python bench/serve.py --demo small --structured --num-prompts 128 --max-concurrency 64
+    python bench/serve.py --preset llama-3.2-1b --structured --schema records --num-prompts 256 \\
+        --max-concurrency 64 --input-len 128 --output-len 128
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ def http_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
     return send
 
 
-# --structured's default schema: an array far longer than any output, so every token is constrained.
+# --structured's schemas (--schema), each an array far longer than any output, so every token is
+# constrained. "long": short strings only (maxLength 12).
 LONG_SCHEMA = {
     "type": "object",
     "properties": {
@@ -170,6 +175,26 @@ LONG_SCHEMA = {
     "required": ["items"],
     "additionalProperties": False,
 }
+# "records": a typical schema, records of a bounded integer, a bounded string, an enum and an array of
+# bounded strings (bounded, so that even a random-weight model's answer goes through every field).
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 16},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["id", "name", "status", "tags"],
+    "additionalProperties": False,
+}
+RECORDS_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "items": RECORD, "minItems": 1024}},
+    "required": ["records"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"long": LONG_SCHEMA, "records": RECORDS_SCHEMA}
 WORDS = "the a of to in is it that for on with as was by at from this be or are an have".split()  # noqa: SIM905
 
 
@@ -202,6 +227,75 @@ def chat_sender(session: aiohttp.ClientSession, url: str, model: str, output_len
         return await post_stream(session, f"{url}/v1/chat/completions", body, chat_text)
 
     return send
+
+
+def with_bpe_tokenizer(model_dir: Path) -> Path:
+    """A preset's checkpoint for --structured: its word-level tokenizer ("t17" words) has no JSON punctuation
+    and no chat template, so a sibling folder links its weights beside a byte-level BPE tokenizer of
+    about its vocabulary (trained once on Python's standard library sources, ~10 s) with the demo
+    models' chat template."""
+    from modelfleet.dataplane.demo.tokenizer import SPECIAL_TOKENS, tokenizer_config
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = model_dir.with_name(model_dir.name + "-bpe")
+    if (out / "tokenizer.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if not path.name.startswith("tokenizer") and not (out / path.name).exists():
+            (out / path.name).symlink_to(path.resolve())
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config["vocab_size"],
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_stdlib_lines(), trainer=trainer)
+    tokenizer.save(str(out / "tokenizer.json"))
+    settings = tokenizer_config(config.get("max_position_embeddings", 4096))
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    return out
+
+
+def _stdlib_lines(limit: int = 200 << 20):
+    """The lines of Python's standard library sources (up to `limit` characters), in a fixed order."""
+    import sysconfig
+
+    total = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        yield from text.splitlines()
+        total += len(text)
+        if total > limit:
+            return
+
+
+def structured_problem(model_dir: Path, schema: dict) -> str | None:
+    """Why the checkpoint's tokenizer cannot run --structured (no chat template, or no token that starts
+    the schema's JSON), or None. Both modes use chat completions; a grammar that allows no first token
+    would measure nothing."""
+    import transformers
+    import xgrammar
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        return f"{model_dir}'s tokenizer has no chat template"
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer)
+    grammar = xgrammar.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    mask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+    xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask)
+    if not mask.any():
+        return f"no token of {model_dir}'s tokenizer starts the schema's JSON"
+    return None
 
 
 async def run_structured(url: str, model: str, args, schema: dict) -> list[dict]:
@@ -641,7 +735,10 @@ def main() -> int:
         "--structured", action="store_true", help="plain vs JSON-schema chat completions, one line each"
     )
     parser.add_argument(
-        "--json-schema", type=Path, help="the schema file for --structured (default: built in)"
+        "--schema", choices=sorted(SCHEMAS), default="long", help="--structured's built-in schema"
+    )
+    parser.add_argument(
+        "--json-schema", type=Path, help="a schema file for --structured, instead of --schema"
     )
     args = parser.parse_args()
 
@@ -680,7 +777,14 @@ def main() -> int:
         "cpu_count": os.cpu_count(),
     }
     if args.structured:
-        schema = json.loads(args.json_schema.read_text()) if args.json_schema else LONG_SCHEMA
+        schema = json.loads(args.json_schema.read_text()) if args.json_schema else SCHEMAS[args.schema]
+        report["schema"] = str(args.json_schema) if args.json_schema else args.schema
+        if args.preset:
+            model_dir = with_bpe_tokenizer(model_dir)
+            report["model"] = str(model_dir)
+        problem = structured_problem(model_dir, schema) if model_dir is not None else None
+        if problem:
+            parser.error(f"--structured: {problem}")
         process, url = (
             (None, args.base_url) if args.base_url else start_server(model_dir, args.model_name, args.engine)
         )

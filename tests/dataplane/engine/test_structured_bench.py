@@ -1,0 +1,63 @@
+"""bench/serve.py --structured: a checkpoint whose tokenizer cannot write the schema's JSON (the presets'
+word-level tokenizer) is refused with the reason, and a preset is served beside a byte-level BPE
+tokenizer that can, for both built-in schemas."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[3] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import serve
+        import throughput
+
+        yield serve, throughput
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def fake_preset(path: Path, throughput, vocab_size: int) -> Path:
+    """A preset's folder as build_preset leaves it (config, weights, word-level tokenizer), tiny."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"vocab_size": vocab_size, "max_position_embeddings": 512}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    throughput.write_word_tokenizer(path, vocab_size)
+    return path
+
+
+def test_the_word_tokenizer_cannot_run_the_structured_bench(bench, tmp_path):
+    serve, throughput = bench
+    preset = fake_preset(tmp_path / "preset", throughput, 300)
+    assert "has no chat template" in serve.structured_problem(preset, serve.LONG_SCHEMA)
+    config = json.loads((preset / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (preset / "tokenizer_config.json").write_text(json.dumps(config))
+    # Words only ("t17"): nothing starts `{`.
+    assert "no token of" in serve.structured_problem(preset, serve.LONG_SCHEMA)
+
+
+def test_a_preset_is_served_with_a_bpe_tokenizer_that_writes_json(bench, tmp_path):
+    serve, throughput = bench
+    preset = fake_preset(tmp_path / "preset", throughput, 2000)
+    served = serve.with_bpe_tokenizer(preset)
+    assert served == tmp_path / "preset-bpe"
+    assert (served / "model.safetensors").resolve() == (preset / "model.safetensors").resolve()
+    assert (served / "config.json").is_symlink()
+    tokenizer = json.loads((served / "tokenizer.json").read_text())
+    assert tokenizer["model"]["type"] == "BPE"
+    assert 1000 < len(tokenizer["model"]["vocab"]) <= 2000
+    for name, schema in serve.SCHEMAS.items():
+        assert serve.structured_problem(served, schema) is None, name
+    # Made once: a second call keeps the folder as it is.
+    stamp = (served / "tokenizer.json").stat().st_mtime_ns
+    assert serve.with_bpe_tokenizer(preset) == served
+    assert (served / "tokenizer.json").stat().st_mtime_ns == stamp
