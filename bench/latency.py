@@ -2,8 +2,11 @@
 
 One prompt of --input-len random token ids, greedy, --output-len tokens (EOS ignored), repeated
 --repeats times after a warm-up. Ours: decode rate from the request's first-token and finish times
-(every run's, their median and best), and the time of each decode step: wall-clock and, on CUDA, the
-GPU's own from CUDA events around the step's launch (median per run, slowest per run, median overall).
+(every run's, their median and best), and the time of each decode step: wall-clock, the host's own work
+in it (less the wait for the GPU's tokens) and, on CUDA, the GPU's from CUDA events around the step's
+launch (median per run, slowest per run, median overall). Host time close to wall time, GPU time well
+below it: the host sets the pace (a slow or shared CPU shows there); GPU time moving with the wall time
+and the SM clock (`sm_clock_mhz_runs`): the GPU does.
 Hugging Face: (generate of N tokens) - (generate of 1 token), over N - 1 tokens; optionally again with
 its static cache (`--hf-static`: its decode is compiled). Roofline: one decode step must read every
 weight once plus the KV cache, at the measured copy bandwidth. Prints one JSON line.
@@ -76,9 +79,9 @@ def build_engine(args: argparse.Namespace, prompt_len: int, model: str, tensor_p
 
 class DecodeRuns:
     """Decode runs of one engine on one prompt: each run's rate from the request's first-token and finish
-    times, and the time of each of its decode steps: wall-clock (DecodeStepTimer) and, on CUDA, the GPU's
-    own (CUDA events around each launch). A run whose rate drops while its GPU time per step does not
-    lost time on the host."""
+    times, and the time of each of its decode steps (DecodeStepTimer): wall-clock, the host's own work in
+    it and, on CUDA, the GPU's (CUDA events around each launch). A run whose rate drops while its GPU time
+    per step does not lost time on the host; then the host's time per step is close to the wall time."""
 
     def __init__(self, llm, prompt: list[int], output_len: int, device: str) -> None:
         from modelfleet.dataplane import SamplingParams
@@ -99,6 +102,7 @@ class DecodeRuns:
             "rate": (self.output_len - 1) / (out.finished_time - out.first_token_time),
             "ttft": out.first_token_time - out.arrival_time,
             "step_s": [self.timer.steps[i][3] for i in decode],
+            "host_step_s": [self.timer.steps[i][3] - self.timer.waits[i] for i in decode],
             "device_step_s": [device[i] for i in decode] if device else [],
             "sm_clock_mhz": sm_clock_mhz() if device else None,
         }
@@ -241,8 +245,9 @@ def roofline(args: argparse.Namespace, sizes: dict, engine: dict) -> float:
 
 def summary(runs: list[dict]) -> dict:
     """Decode tokens/s of every run, their median and best; TTFT; decode step times (ms): the median of
-    each run's steps and its slowest, and the median over all runs' steps, wall-clock and GPU (where the
-    runs timed them); the GPU's SM clock after each run where NVML reads it."""
+    each run's steps and its slowest, and the median over all runs' steps: wall-clock, the host's own
+    work (wall-clock less the wait for the GPU's tokens) and GPU (where the runs timed them); the GPU's SM
+    clock after each run where NVML reads it."""
     rates = [r["rate"] for r in runs]
     rate = statistics.median(rates)
     out = {
@@ -252,7 +257,7 @@ def summary(runs: list[dict]) -> dict:
         "decode_tokens_per_s_runs": [round(r, 1) for r in rates],
         "ttft_ms": round(1e3 * statistics.median(r["ttft"] for r in runs), 2),
     }
-    for key in [k for k in ("step_s", "device_step_s") if all(r.get(k) for r in runs)]:
+    for key in [k for k in ("step_s", "host_step_s", "device_step_s") if all(r.get(k) for r in runs)]:
         name = key.removesuffix("_s")
         out[f"{name}_ms_median"] = ms(statistics.median(t for r in runs for t in r[key]))
         out[f"{name}_ms_median_runs"] = [ms(statistics.median(r[key])) for r in runs]

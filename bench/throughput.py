@@ -187,7 +187,9 @@ class DecodeStepTimer:
     """Times every engine step and notes which launched pure decode steps (one token per sequence),
     with their batch size and the KV tokens they read. A step launches its batch and then reads back
     the previous batch's tokens, so in steady decode the wall-clock time between step calls is the
-    device's time per step plus whatever host time the device did not hide.
+    device's time per step plus whatever host time the device did not hide. `waits` holds, per timed
+    step, the time its call spent blocked on the previous step's tokens: the rest of the call was the
+    host's own work (scheduling, launching, reading back); with no wait left, the host sets the pace.
 
     `device_events` (CUDA): also records an event before and after each launch. The GPU stamps the first
     when it has finished the previous step (or at once if it sat idle), so the span between the two is
@@ -197,7 +199,9 @@ class DecodeStepTimer:
         self.steps: list[tuple[bool, int, int, float]] = []  # (decode, batch, kv tokens, seconds)
         # Aligned with `steps` when device_events: the (start, end) CUDA events around each launch.
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.waits: list[float] = []  # aligned with `steps`: seconds blocked on a step's tokens
         self._last: tuple[bool, int, int] | None = None
+        self._wait = 0.0
         self._last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         engine, runner = llm.engine, llm.engine.runner
         launch, step = runner.launch, engine.step
@@ -208,21 +212,35 @@ class DecodeStepTimer:
             kv_tokens = sum(s.num_computed_tokens + s.num_new_tokens for s in items)
             self._last = (decode, len(items), kv_tokens)
             if not device_events:
-                return launch(out)
+                return timed_result(launch(out))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             launched = launch(out)
             end.record()
             self._last_events = (start, end)
+            return timed_result(launched)
+
+        def timed_result(launched):
+            result = launched.result
+
+            def wait():  # called by the next engine step
+                start = time.perf_counter()
+                try:
+                    return result()
+                finally:
+                    self._wait += time.perf_counter() - start
+
+            launched.result = wait
             return launched
 
         def timed_step():
-            self._last, self._last_events = None, None
+            self._last, self._last_events, self._wait = None, None, 0.0
             start = time.perf_counter()
             result = step()
             end = time.perf_counter()
             if self._last is not None:
                 self.steps.append((*self._last, end - start))
+                self.waits.append(self._wait)
                 if self._last_events is not None:
                     self.events.append(self._last_events)
             return result
@@ -238,6 +256,7 @@ class DecodeStepTimer:
     def clear(self) -> None:
         self.steps.clear()
         self.events.clear()
+        self.waits.clear()
 
     def roofline(self, weight_bytes: int, kv_token_bytes: int, bandwidth_gbps: float) -> dict:
         decode = [s for s in self.steps if s[0]]

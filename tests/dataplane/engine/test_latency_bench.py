@@ -53,6 +53,10 @@ def test_summary_keeps_every_run_and_their_median_and_best(bench):
         {"rate": 50.0, "ttft": 0.03, "step_s": [0.010, 0.050, 0.050], "device_step_s": [0.0095] * 3},
         {"rate": 80.0, "ttft": 0.02, "step_s": [0.012, 0.012, 0.012], "device_step_s": [0.010] * 3},
     ]
+    runs = [
+        {**r, "host_step_s": [0.002, 0.004, 0.003] if i != 1 else [0.002, 0.045, 0.044]}
+        for i, r in enumerate(runs)
+    ]
     out = latency.summary(runs)
     assert out["decode_tokens_per_s_runs"] == [100.0, 50.0, 80.0]
     assert out["decode_tokens_per_s"] == 80.0 and out["decode_tokens_per_s_best"] == 100.0
@@ -62,12 +66,13 @@ def test_summary_keeps_every_run_and_their_median_and_best(bench):
     assert out["step_ms_median"] == 12.0  # over all nine steps
     assert out["device_step_ms_median_runs"] == [9.0, 9.5, 10.0]
     assert out["device_step_ms_median"] == 9.5
+    assert out["host_step_ms_median_runs"] == [3.0, 44.0, 3.0]  # the slow run's host was slow
     assert "sm_clock_mhz_runs" not in out  # no clock read
     clocked = latency.summary([{**r, "sm_clock_mhz": 1980 - 100 * i} for i, r in enumerate(runs)])
     assert clocked["sm_clock_mhz_runs"] == [1980, 1880, 1780]
     # Without GPU times (the CPU) there are no device keys.
     cpu = latency.summary([{**r, "device_step_s": []} for r in runs])
-    assert not any(k.startswith("device") for k in cpu)
+    assert not any(k.startswith("device") for k in cpu) and "host_step_ms_median" in cpu
 
 
 def test_speedups_compare_medians_bests_steps_and_device_times(bench):
@@ -110,6 +115,9 @@ def test_latency_builds_each_engine_once_and_interleaves_its_runs(bench, tiny_mo
             for med, top in zip(engine["step_ms_median_runs"], engine["step_ms_max_runs"], strict=True)
         )
         assert "device_step_ms_median" not in engine  # CPU: no CUDA events
+        # The CPU computes in the launch: nothing is left to wait for, the host's time is the step's.
+        assert engine["host_step_ms_median"] <= engine["step_ms_median"]
+        assert engine["host_step_ms_median"] > 0.8 * engine["step_ms_median"]
     base, int8 = result["engine"], result["engine_int8"]
     assert result["speedup_int8"] == round(int8["decode_tokens_per_s"] / base["decode_tokens_per_s"], 2)
     assert result["speedup_int8_best"] == round(
@@ -183,5 +191,6 @@ def test_latency_on_cuda_times_each_step_on_the_gpu(bench, tiny_llama_dir, capsy
         # Steady decode: the engine steps as fast as the slower of the GPU and the host, so a step's GPU
         # time is at most its wall time (some slack: the two medians are over different steps' times).
         assert 0 < engine["device_step_ms_median"] <= engine["step_ms_median"] * 1.25
+        assert 0 < engine["host_step_ms_median"] <= engine["step_ms_median"]
         assert "sm_clock_mhz_runs" not in engine or len(engine["sm_clock_mhz_runs"]) == 2
     assert "speedup_int8_device" in result
