@@ -153,3 +153,40 @@ def test_the_engine_compiles_bounded_strings_as_chains():
     matcher = Grammars.matcher(bounded).matcher
     assert matcher.accept_string('{"items": ["ab"]}')
     assert matcher.is_completed()
+
+
+def test_the_same_masks_with_a_byte_level_bpe_tokenizer():
+    """bench/serve.py's two schemas over the demo's byte-level BPE tokenizer: 64 rows walk 40 steps."""
+    import sys
+    from pathlib import Path
+
+    from modelfleet.dataplane.demo.tokenizer import build_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    sys.path.insert(0, str(Path(__file__).parents[3] / "bench"))
+    try:
+        from serve import SCHEMAS as BENCH_SCHEMAS
+    finally:
+        sys.path.pop(0)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(2048))
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, stop_token_ids=[1])
+    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    filler = xgrammar.BatchGrammarMatcher(max_threads=1)
+    rng = torch.Generator().manual_seed(0)
+    for name, schema in BENCH_SCHEMAS.items():
+        text = json.dumps(schema)
+        grammars = (
+            compiler.compile_json_schema(text, any_whitespace=False),
+            _compile_bounded_strings(compiler, text),
+        )
+        rows = [[xgrammar.GrammarMatcher(g) for _ in range(64)] for g in grammars]
+        masks = [xgrammar.allocate_token_bitmask(64, info.vocab_size) for _ in grammars]
+        for _ in range(40):
+            for matchers, mask in zip(rows, masks, strict=True):
+                filler.batch_fill_next_token_bitmask(matchers, mask)
+            assert torch.equal(masks[0], masks[1]), name
+            logits = torch.rand(64, info.vocab_size, generator=rng)
+            xgrammar.apply_token_bitmask_inplace(logits, masks[0])
+            for token, *matchers in zip(logits.argmax(dim=1).tolist(), *rows, strict=True):
+                assert all(m.accept_token(token) for m in matchers), name
+        assert not any(m.is_terminated() for m in rows[0])  # the answers never ended: every step masked
