@@ -28,6 +28,7 @@ xgrammar is imported on first use: an engine that never sees a constrained reque
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     import torch
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("json_object", "json_schema")
 # json_object is OpenAI's "any JSON object" (not an array or a bare value).
@@ -201,11 +204,18 @@ MAX_CHAINED_LENGTH = 256
 
 def _compile_bounded_strings(compiler: Any, schema: str) -> Any:
     """The schema's grammar with its bounded-length strings as chains of rules (bounded_strings_as_chains),
-    compiled; None for a schema without one (compiled as it is)."""
+    compiled; None for a schema without one, or whose grammar text xgrammar does not read back (compiled
+    as it is: the chains only save time)."""
     xgrammar = _xgrammar()
     ebnf = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))
     chained = bounded_strings_as_chains(ebnf)
-    return None if chained == ebnf else compiler.compile_grammar(chained)
+    if chained == ebnf:
+        return None
+    try:
+        return compiler.compile_grammar(chained)
+    except Exception:  # xgrammar raises RuntimeError/ValueError on text it cannot parse
+        logger.warning("structured output: a grammar with bounded strings is compiled without chains")
+        return None
 
 
 def bounded_strings_as_chains(ebnf: str) -> str:

@@ -190,3 +190,14 @@ def test_the_same_masks_with_a_byte_level_bpe_tokenizer():
             for token, *matchers in zip(logits.argmax(dim=1).tolist(), *rows, strict=True):
                 assert all(m.accept_token(token) for m in matchers), name
         assert not any(m.is_terminated() for m in rows[0])  # the answers never ended: every step masked
+
+
+def test_chains_xgrammar_cannot_read_leave_the_schema_as_it_is(monkeypatch, caplog):
+    from modelfleet.dataplane.engine import structured
+
+    monkeypatch.setattr(structured, "bounded_strings_as_chains", lambda ebnf: ebnf + "broken ::= (\n")
+    info = xgrammar.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    with caplog.at_level("WARNING"):
+        assert _compile_bounded_strings(compiler, json.dumps(SCHEMAS["array"])) is None
+    assert "compiled without chains" in caplog.text
