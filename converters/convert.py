@@ -63,7 +63,7 @@ def serving_dtype(accelerator: str) -> str:
 def convert(request: Request) -> dict:
     """Run the conversion and return the summary dict; raises ConversionError subclasses on failure."""
     target = resolve_target(request.accelerator, request.format, request.dtype)
-    if request.quantize_lm_head and not _quantized_torch(target):
+    if request.quantize_lm_head and not target.quantized_torch:
         raise BadInputError(
             f"--quantize-lm-head applies to torch int8/fp8 targets, not {target.format} {target.dtype}"
         )
@@ -124,11 +124,6 @@ def convert(request: Request) -> dict:
         uri=artifact.artifact_uri(out),
         validation=validation,
     )
-
-
-def _quantized_torch(target: Target) -> bool:
-    """An int8/fp8 per-channel torch artifact (write_torch quantizes its linears; lm_head on request)."""
-    return target.format == "torch" and target.dtype in ("int8", "fp8")
 
 
 def _same_artifact(manifest: dict, digest: str, target: Target, lm_head: bool) -> bool:
@@ -192,7 +187,7 @@ def _validate(
     prompts, text = token_ids
     reference = validate.reference(ckpt.path)
     baseline = None
-    if _quantized_torch(target):
+    if target.quantized_torch:
         if serving_dtype(target.accelerator) == validate.BASELINE_DTYPE:
             # the source in bf16 against the same reference: quantized artifacts are judged relative to it
             reference = validate.cached(reference)

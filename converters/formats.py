@@ -48,6 +48,12 @@ class Target:
     def as_dict(self) -> dict[str, str]:
         return {"accelerator": self.accelerator, "format": self.format, "dtype": self.dtype}
 
+    @property
+    def quantized_torch(self) -> bool:
+        """An int8/fp8 per-channel torch artifact: its linears are quantized, and its lm_head can be too
+        (`modelfleet convert --quantize-lm-head`, a ModelVersion's spec.quantizeLmHead)."""
+        return self.format == "torch" and self.dtype in ("int8", "fp8")
+
 
 # Node labels are the ones the vendors' feature-discovery daemons set: NVIDIA GPU feature discovery
 # (nvidia.com/gpu.product), the AMD GPU labeller (amd.com/gpu.product-name) and Intel's GPU plugin with
