@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from modelfleet.converters.formats import Target, hardware
-from modelfleet.operator.api import ModelVersion, SecretKey
+from modelfleet.operator.api import ModelVersion, ModelVersionSpec, SecretKey
 from modelfleet.operator.reconcile import names
 from modelfleet.operator.settings import OperatorSettings
 
@@ -28,11 +28,19 @@ FINAL_EXIT_CODES = (2, 3, 4)
 EXIT_REASONS = {1: "ConversionFailed", 2: "InvalidSource", 3: "ToolMissing", 4: "ValidationFailed"}
 
 
-def artifact_dir(settings: OperatorSettings, model: str, version: str, target: Target) -> str:
+def artifact_dir(
+    settings: OperatorSettings, model: str, version: str, target: Target, quantized_lm_head: bool = False
+) -> str:
     """Where the Job writes the artifact: the model store claim, mounted under the converter's PVC root,
     so the converter reports it as pvc://<store claim>/artifacts/... (see `traffic.local_path`)."""
-    slug = names.target_slug(target)
+    slug = names.artifact_slug(target, quantized_lm_head)
     return f"{PVC_ROOT}/{settings.model_store_claim}/artifacts/{model}/{version}/{slug}"
+
+
+def quantizes_lm_head(spec: ModelVersionSpec, target: Target) -> bool:
+    """Whether `target`'s artifact quantizes lm_head: asked by the spec, and an int8/fp8 torch target
+    (the converter refuses the option for any other; a version's float reference target never gets it)."""
+    return spec.quantize_lm_head and target.quantized_torch
 
 
 @dataclass(frozen=True)
@@ -71,9 +79,13 @@ def _needs_device(target: Target) -> bool:
     return target.format == "tensorrt" or target.dtype == "fp8"
 
 
-def conversion_command(source: str, target: Target, out: str, sha256: str | None = None) -> list[str]:
+def conversion_command(
+    source: str, target: Target, out: str, sha256: str | None = None, quantize_lm_head: bool = False
+) -> list[str]:
     command = ["modelfleet", "convert", "--source", source]
     command += ["--target", target.accelerator, "--format", target.format, "--dtype", target.dtype]
+    if quantize_lm_head:
+        command += ["--quantize-lm-head"]
     # --force: a version name may come back (deleted, re-created with new weights); never keep the old one.
     command += ["--out", out, "--force", "--termination-log", TERMINATION_LOG]
     if sha256:
@@ -121,12 +133,13 @@ def conversion_job(
         volumes.append(
             {"name": volume, "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
         )
-    out = artifact_dir(settings, spec.model, spec.version, target)
+    lm_head = quantizes_lm_head(spec, target)
+    out = artifact_dir(settings, spec.model, spec.version, target, lm_head)
     container = {
         "name": CONTAINER,
         "image": settings.dataplane_image,
         "imagePullPolicy": settings.dataplane_image_pull_policy,
-        "command": conversion_command(source.uri, target, out, spec.source.sha256),
+        "command": conversion_command(source.uri, target, out, spec.source.sha256, lm_head),
         "env": [
             {"name": "MODELFLEET_PVC_ROOT", "value": PVC_ROOT},
             {"name": "HF_HOME", "value": "/tmp/hf"},

@@ -28,6 +28,12 @@ def target_slug(target: Target) -> str:
     return f"{target.accelerator}-{target.format}-{target.dtype}"
 
 
+def artifact_slug(target: Target, quantized_lm_head: bool = False) -> str:
+    """The artifact's folder name: the target's slug, marked when lm_head is quantized too, so that two
+    versions differing only in spec.quantizeLmHead never share or overwrite one artifact."""
+    return target_slug(target) + ("-lm-head" if quantized_lm_head else "")
+
+
 def conversion_job_name(version_name: str, target: Target) -> str:
     return bounded_name(version_name, "convert", target_slug(target))
 

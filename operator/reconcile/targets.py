@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from modelfleet.converters.formats import Target, check_target, default_targets
 from modelfleet.operator.api import ModelVersionSpec
+from modelfleet.operator.reconcile.names import target_slug
 from modelfleet.operator.settings import get_settings
 
 
@@ -24,20 +25,35 @@ def resolve_targets(
     the chart's `dataplane.tensorrt`). Without it a TensorRT artifact could be built but never served,
     so no TensorRT target is planned.
     """
-    if spec.targets:
-        try:
-            targets = [check_target(t.accelerator, t.format, t.dtype) for t in spec.targets]
-        except ValueError as exc:
-            raise TargetError("InvalidTarget", f"spec.targets: {exc}") from None
-        if tensorrt is None:
-            tensorrt = get_settings().dataplane_tensorrt
-        if not tensorrt and any(t.format == "tensorrt" for t in targets):
-            raise TargetError(
-                "TensorRTUnavailable",
-                "spec.targets: format 'tensorrt' needs a data-plane image with TensorRT, and this fleet's "
-                "has none (chart value dataplane.tensorrt is false); use format torch or onnx",
-            )
-        return targets
+    targets = _explicit_targets(spec, tensorrt) if spec.targets else _default_targets(spec, accelerator)
+    if spec.quantize_lm_head and not any(t.quantized_torch for t in targets):
+        # Refused as the converter would refuse --quantize-lm-head: asked for, it must happen somewhere.
+        slugs = ", ".join(target_slug(t) for t in targets)
+        raise TargetError(
+            "InvalidTarget" if spec.targets else "NoTargetForHardware",
+            f"spec.quantizeLmHead: it applies to torch int8/fp8 targets, and this version has none "
+            f"({slugs}); list one in spec.targets, or set quantizeLmHead: false",
+        )
+    return targets
+
+
+def _explicit_targets(spec: ModelVersionSpec, tensorrt: bool | None) -> list[Target]:
+    try:
+        targets = [check_target(t.accelerator, t.format, t.dtype) for t in spec.targets]
+    except ValueError as exc:
+        raise TargetError("InvalidTarget", f"spec.targets: {exc}") from None
+    if tensorrt is None:
+        tensorrt = get_settings().dataplane_tensorrt
+    if not tensorrt and any(t.format == "tensorrt" for t in targets):
+        raise TargetError(
+            "TensorRTUnavailable",
+            "spec.targets: format 'tensorrt' needs a data-plane image with TensorRT, and this fleet's "
+            "has none (chart value dataplane.tensorrt is false); use format torch or onnx",
+        )
+    return targets
+
+
+def _default_targets(spec: ModelVersionSpec, accelerator: str | None) -> list[Target]:
     if accelerator is None:
         raise TargetError(
             "ModelNotFound",

@@ -328,6 +328,20 @@ def test_the_local_example_is_admitted_and_converts_for_cpu():
     ]
 
 
+def test_local_admission_takes_quantize_lm_head_only_with_quantization():
+    from modelfleet.local.admission import Refused, admit
+    from modelfleet.local.cli import load_documents
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "local-model.yaml"
+    _, v1, v2 = load_documents(path)
+    assert admit(v1)["spec"]["quantizeLmHead"] is False
+    v2["spec"]["quantizeLmHead"] = True
+    assert admit(v2)["spec"]["quantizeLmHead"] is True
+    v1["spec"]["quantizeLmHead"] = True
+    with pytest.raises(Refused, match="quantizeLmHead applies to quantization int8 or fp8, not none"):
+        admit(v1)
+
+
 def test_events_are_listed_per_object_as_the_api_lists_them():
     kube = LocalKube()
     job = kube.apply(

@@ -111,6 +111,12 @@ def test_supported_uri_schemes(uri):
         ({"source": {"uri": "/models/m"}}, "spec.source.uri", "no supported scheme"),
         ({"source": {"uri": "s3://b/m", "sha256": "abc"}}, "spec.source.sha256", "does not match"),
         ({"quantization": "int4"}, "spec.quantization", "'none', 'int8' or 'fp8'"),
+        ({"quantizeLmHead": True}, "spec.quantizeLmHead", "applies to quantization int8 or fp8, not none"),
+        (
+            {"quantization": "none", "quantizeLmHead": True},
+            "spec.quantizeLmHead",
+            "set quantization: int8 or fp8, or quantizeLmHead: false",
+        ),
         (
             {"targets": [{"accelerator": "cpu", "format": "gguf", "dtype": "int8"}]},
             "spec.targets[0].format",
@@ -130,7 +136,15 @@ def test_model_version_defaults_and_targets():
         version(targets=[{"accelerator": "cpu", "format": "onnx", "dtype": "int8"}])
     ).spec
     assert spec.quantization == "none" and spec.source.format == "hf-safetensors"
+    assert spec.quantize_lm_head is False
     assert spec.targets[0].format == "onnx"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_a_quantized_version_may_quantize_lm_head_too(quantization):
+    spec = validate_model_version(version(quantization=quantization, quantizeLmHead=True)).spec
+    assert spec.quantize_lm_head is True
+    assert spec.model_dump(by_alias=True)["quantizeLmHead"] is True  # camelCase on the wire
 
 
 def test_wrong_kind_or_api_version_is_one_clear_line():

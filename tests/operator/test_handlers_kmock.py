@@ -366,6 +366,33 @@ async def test_a_second_version_of_the_same_name_converts_nothing_and_says_so(km
     assert (await obj(kmock, MV, "chat-v1"))["status"]["phase"] == "Converting"
 
 
+async def test_a_version_quantizing_lm_head_says_so_to_its_quantized_conversion(kmock, cluster, memo):
+    v2 = copy.deepcopy(cluster["chat-v2"])
+    v2["spec"]["quantizeLmHead"] = True
+    kmock.objects[MV, NS, "chat-v2"] = v2
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    commands = {}
+    for dtype in ("bf16", "fp8"):
+        job = await obj(kmock, JOBS, f"chat-v2-convert-nvidia-h100-torch-{dtype}")
+        commands[dtype] = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--quantize-lm-head" in commands["fp8"] and "--quantize-lm-head" not in commands["bf16"]
+    out = commands["fp8"][commands["fp8"].index("--out") + 1]
+    assert out.endswith("/artifacts/chat/v2/nvidia-h100-torch-fp8-lm-head")
+    assert (await obj(kmock, MV, "chat-v2"))["status"]["phase"] == "Converting"
+
+
+async def test_quantize_lm_head_without_quantization_is_an_invalid_spec(kmock, cluster, memo):
+    v1 = copy.deepcopy(cluster["chat-v1"])
+    v1["spec"]["quantizeLmHead"] = True  # quantization none: only an old CRD would let this through
+    kmock.objects[MV, NS, "chat-v1"] = v1
+    await call(handlers.model_changed, cluster["chat"], memo, reason="create")
+    status = (await obj(kmock, MV, "chat-v1"))["status"]
+    assert status["phase"] == "Failed" and condition(status, "Ready") == ("False", "InvalidSpec")
+    message = next(c for c in status["conditions"] if c["type"] == "Ready")["message"]
+    assert "spec.quantizeLmHead: quantizeLmHead applies to quantization int8 or fp8, not none" in message
+    assert await obj(kmock, JOBS, "chat-v1-convert-nvidia-h100-torch-bf16") is None
+
+
 # --- rollouts --------------------------------------------------------------------------------------------
 
 

@@ -120,6 +120,80 @@ def test_conversion_job_is_valid_owned_and_deterministic(example_objects, k8s_ve
     assert {"name": "MODELFLEET_PVC_ROOT", "value": "/mnt/pvc"} in container["env"]
 
 
+def lm_head_version(example_objects, **spec) -> dict:
+    """examples/model.yaml's chat-v2 (fp8) with spec.quantizeLmHead, and `spec` over it."""
+    mv = copy.deepcopy(example_objects["chat-v2"])
+    mv["spec"].update(quantizeLmHead=True, **spec)
+    return mv
+
+
+def job_command(mv: dict, target: Target) -> list[str]:
+    job_ = conversion.conversion_job(mv, ModelVersion.model_validate(mv), target, SETTINGS)
+    return job_["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def out_of(command: list[str]) -> str:
+    return command[command.index("--out") + 1]
+
+
+def test_quantize_lm_head_reaches_the_quantized_targets_job_only(example_objects):
+    mv = lm_head_version(example_objects)
+    assert resolve_targets(ModelVersion.model_validate(mv).spec, "nvidia-h100") == [BF16, FP8]
+    fp8 = job_command(mv, FP8)
+    assert fp8[fp8.index("--dtype") : fp8.index("--out")] == ["--dtype", "fp8", "--quantize-lm-head"]
+    assert out_of(fp8) == "/mnt/pvc/modelfleet-models/artifacts/chat/v2/nvidia-h100-torch-fp8-lm-head"
+    # The bf16 target is the float reference: the converter would refuse the option there.
+    bf16 = job_command(mv, BF16)
+    assert "--quantize-lm-head" not in bf16
+    assert bf16 == job_command(example_objects["chat-v2"], BF16)
+
+
+def test_a_quantized_lm_head_artifact_has_its_own_folder(example_objects):
+    plain, head = (
+        job_command(example_objects["chat-v2"], FP8),
+        job_command(lm_head_version(example_objects), FP8),
+    )
+    assert "--quantize-lm-head" not in plain
+    assert out_of(plain) != out_of(head) and out_of(head).startswith(out_of(plain))
+    assert names.artifact_slug(FP8) == names.target_slug(FP8) == "nvidia-h100-torch-fp8"
+    assert names.artifact_slug(FP8, quantized_lm_head=True) == "nvidia-h100-torch-fp8-lm-head"
+
+
+@pytest.mark.parametrize(
+    ("spec", "accelerator", "reason"),
+    [
+        # cpu quantizes to onnx by default: nothing would quantize lm_head.
+        ({"quantization": "int8"}, "cpu", "NoTargetForHardware"),
+        (
+            {"targets": [{"accelerator": "nvidia-h100", "format": "torch", "dtype": "bf16"}]},
+            "nvidia-h100",
+            "InvalidTarget",
+        ),
+        (
+            {"quantization": "int8", "targets": [{"accelerator": "cpu", "format": "onnx", "dtype": "int8"}]},
+            "cpu",
+            "InvalidTarget",
+        ),
+    ],
+)
+def test_quantize_lm_head_without_a_torch_int8_or_fp8_target_is_refused(
+    example_objects, spec, accelerator, reason
+):
+    mv = lm_head_version(example_objects, **spec)
+    with pytest.raises(
+        TargetError, match=r"^spec\.quantizeLmHead: it applies to torch int8/fp8 targets"
+    ) as caught:
+        resolve_targets(ModelVersion.model_validate(mv).spec, accelerator)
+    assert caught.value.reason == reason
+
+
+def test_an_explicit_torch_int8_target_quantizes_lm_head_on_cpu(example_objects):
+    int8 = {"accelerator": "cpu", "format": "torch", "dtype": "int8"}
+    mv = lm_head_version(example_objects, quantization="int8", targets=[int8])
+    (target,) = resolve_targets(ModelVersion.model_validate(mv).spec, "cpu")
+    assert "--quantize-lm-head" in job_command(mv, target)
+
+
 def test_full_precision_conversion_needs_no_gpu(example_objects):
     mv = example_objects["chat-v1"]
     job_ = conversion.conversion_job(mv, ModelVersion.model_validate(mv), BF16, SETTINGS)

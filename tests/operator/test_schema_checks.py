@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from modelfleet.operator import schema_checks
-from modelfleet.operator.validation import InvalidResource, validate_inference_model
+from modelfleet.operator.validation import InvalidResource, validate_inference_model, validate_model_version
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -91,6 +91,55 @@ def test_replicas_rule_agrees_with_the_pydantic_model(crd_files, replicas, error
         assert any(e.startswith(error) for e in errors), errors
         with pytest.raises(InvalidResource, match=r"spec\.replicas"):
             validate_inference_model(obj)
+
+
+def model_version(**spec) -> dict:
+    base = {"model": "chat", "version": "v1", "source": {"uri": "pvc://models/chat/v1"}}
+    return {
+        "apiVersion": "modelfleet.dev/v1alpha1",
+        "kind": "ModelVersion",
+        "metadata": {"name": "chat-v1"},
+        "spec": {**base, **spec},
+    }
+
+
+LM_HEAD_REFUSED = (
+    'spec: Invalid value: "object": quantizeLmHead applies to quantization int8 or fp8, not none'
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error"),
+    [
+        ({}, None),
+        ({"quantizeLmHead": False}, None),
+        ({"quantization": "int8", "quantizeLmHead": True}, None),
+        ({"quantization": "fp8", "quantizeLmHead": True}, None),
+        # quantization is defaulted to none before the rule runs: leaving it out is asking for none.
+        ({"quantizeLmHead": True}, LM_HEAD_REFUSED),
+        ({"quantization": "none", "quantizeLmHead": True}, LM_HEAD_REFUSED),
+    ],
+)
+def test_quantize_lm_head_rule_agrees_with_the_pydantic_model(crd_files, spec, error):
+    obj = model_version(**spec)
+    errors = [str(e) for e in schema_checks.admit(crd_files["ModelVersion"], obj).errors]
+    if error is None:
+        assert errors == []
+        validate_model_version(obj)
+    else:
+        assert errors == [error]
+        with pytest.raises(InvalidResource, match=r"spec\.quantizeLmHead: quantizeLmHead applies"):
+            validate_model_version(obj)
+
+
+def test_quantize_lm_head_is_defaulted_and_refused_with_kubectls_message(crd_files):
+    crd = crd_files["ModelVersion"]
+    assert schema_checks.check_object(crd, model_version())["spec"]["quantizeLmHead"] is False
+    with pytest.raises(schema_checks.Invalid) as caught:
+        schema_checks.check_object(crd, model_version(quantizeLmHead=True))
+    assert str(caught.value) == f'The ModelVersion "chat-v1" is invalid: {LM_HEAD_REFUSED}'
+    (error,) = schema_checks.admit(crd, model_version(quantization="int8", quantizeLmHead="yes")).errors
+    assert str(error).startswith('spec.quantizeLmHead: Invalid value: "string"')
 
 
 def test_unknown_fields_are_pruned_with_a_warning(crd_files):
