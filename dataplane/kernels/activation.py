@@ -13,6 +13,16 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_and_mul_f32(gate, up):
+    """silu(gate) * up in float32 from model-dtype gate and up; silu is rounded to the model dtype before
+    the product, as silu(gate) * up does unfused. Shared with the GEMV that fuses it (kernels/gemv.py), so
+    both round alike."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_o, inter_size, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -25,12 +35,8 @@ def _silu_and_mul_kernel(
     up = tl.load(x_ptr + row * stride_x + inter_size + cols, mask=mask, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    g = gate.to(tl.float32)
-    # silu rounds to the model dtype before the product, as silu(gate) * up does unfused
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    out = silu_and_mul_f32(gate, up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,6 +16,14 @@ per-output-channel scales (modelfleet.dataplane.quantization's format): each wei
 4-byte words and decoded to float32 in registers by bit operations (see _byte_to_f32), the activations
 stay in bf16/fp16, and the finished fp32 row sums are multiplied by their channel's scale once, before
 the bias. Half the bytes of bf16 cross from memory, which is what bounds a decode linear.
+
+With silu_mul=True x is a gated MLP's [gate | up] ([M, 2K], the gate_up projection's output) and the
+kernel multiplies silu(gate) * up, computed per tile as it is loaded (silu_and_mul_f32, shared with the
+activation kernel) and rounded to x's dtype as that kernel stores it: the down projection reads gate_up
+directly, saving the activation kernel's launch and round trip, with the same products. Every row block
+recomputes the activation of its K range, so at least SILU_MUL_MIN_BLOCK_N weight rows share it: at one row
+per program its exp and division (two special-function operations per weight) would, by estimate, take
+about as long as streaming bf16 weights does (not yet timed against one row).
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from modelfleet.dataplane.kernels.activation import silu_and_mul_f32
 from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
 
 NUM_SMS_FALLBACK = 132
 MAX_ROWS_PER_PROGRAM = 4  # rows of x one program multiplies (more rows: more programs along M)
 QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)  # read with per-channel scales
+SILU_MUL_MIN_BLOCK_N = 4  # weight rows per program that share the fused activation's exp and division
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +55,41 @@ class GemvConfig:
 
 
 @triton.jit
-def _row_dot(
-    acc, w, x_ptrs, cols, k_end, row_ok, EVEN_K: tl.constexpr, MASK_M: tl.constexpr, AT_END: tl.constexpr
-):
-    """acc + w [BLOCK_N, BLOCK_K] (fp32) times one row of x at `cols`."""
+def _load_x(ptrs, cols, k_end, row_ok, EVEN_K: tl.constexpr, MASK_M: tl.constexpr):
     if EVEN_K:
         if MASK_M:
-            x = tl.load(x_ptrs + cols, mask=row_ok, other=0.0, eviction_policy="evict_last")
+            x = tl.load(ptrs, mask=row_ok, other=0.0, eviction_policy="evict_last")
         else:
-            x = tl.load(x_ptrs + cols, eviction_policy="evict_last")
+            x = tl.load(ptrs, eviction_policy="evict_last")
     else:
-        x = tl.load(x_ptrs + cols, mask=(cols < k_end) & row_ok, other=0.0, eviction_policy="evict_last")
-    prod = w * x.to(tl.float32)[None, :]
+        x = tl.load(ptrs, mask=(cols < k_end) & row_ok, other=0.0, eviction_policy="evict_last")
+    return x
+
+
+@triton.jit
+def _row_dot(
+    acc,
+    w,
+    x_ptrs,
+    cols,
+    k_end,
+    row_ok,
+    K,
+    EVEN_K: tl.constexpr,
+    MASK_M: tl.constexpr,
+    AT_END: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+):
+    """acc + w [BLOCK_N, BLOCK_K] (fp32) times one row of x at `cols` (SILU_MUL: of silu(gate) * up, the
+    row being [gate | up] with up K elements after gate)."""
+    x = _load_x(x_ptrs + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
+    if SILU_MUL:
+        up = _load_x(x_ptrs + K + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
+        # rounded to x's dtype as the unfused activation is stored, so the products are the same
+        xf = silu_and_mul_f32(x, up).to(x.dtype).to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    prod = w * xf[None, :]
     if not AT_END:
         prod = tl.sum(prod, axis=1)
     return acc + prod
@@ -100,19 +133,24 @@ def _rows_dot(
     k_end,
     m0,
     M,
+    K,
     BLOCK_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     MASK_M: tl.constexpr,
     AT_END: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     """One fp32 weight tile times up to 4 rows of x (the columns of x at `cols`)."""
-    acc0 = _row_dot(acc0, w, x_rows, cols, k_end, m0 < M, EVEN_K, MASK_M, AT_END)
+    acc0 = _row_dot(acc0, w, x_rows, cols, k_end, m0 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
     if BLOCK_M > 1:
-        acc1 = _row_dot(acc1, w, x_rows + stride_xm, cols, k_end, m0 + 1 < M, EVEN_K, MASK_M, AT_END)
+        x1 = x_rows + stride_xm
+        acc1 = _row_dot(acc1, w, x1, cols, k_end, m0 + 1 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
     if BLOCK_M > 2:
-        acc2 = _row_dot(acc2, w, x_rows + 2 * stride_xm, cols, k_end, m0 + 2 < M, EVEN_K, MASK_M, AT_END)
+        x2 = x_rows + 2 * stride_xm
+        acc2 = _row_dot(acc2, w, x2, cols, k_end, m0 + 2 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
     if BLOCK_M > 3:
-        acc3 = _row_dot(acc3, w, x_rows + 3 * stride_xm, cols, k_end, m0 + 3 < M, EVEN_K, MASK_M, AT_END)
+        x3 = x_rows + 3 * stride_xm
+        acc3 = _row_dot(acc3, w, x3, cols, k_end, m0 + 3 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
     return acc0, acc1, acc2, acc3
 
 
@@ -172,7 +210,9 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     PACKED: tl.constexpr,
     FP8: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
+    # SILU_MUL: x's rows are [gate | up] (2K wide) and the activation is silu(gate) * up
     # PACKED: w_ptr is the 1-byte weight seen as int32 words, 4 weights each; a tile is BLOCK_K // 4 words
     PACK: tl.constexpr = 4 if PACKED else 1
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
@@ -234,10 +274,12 @@ def _gemv_kernel(
                 k_end,
                 m0,
                 M,
+                K,
                 BLOCK_M,
                 EVEN_K,
                 MASK_M,
                 REDUCE_AT_END,
+                SILU_MUL,
             )
         w = w_next
     _store_row(
@@ -393,12 +435,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_config(
-    m: int, n: int, k: int, num_sms: int = NUM_SMS_FALLBACK, weight_bytes: int = 2
+    m: int, n: int, k: int, num_sms: int = NUM_SMS_FALLBACK, weight_bytes: int = 2, silu_mul: bool = False
 ) -> GemvConfig:
     """The tuned configuration of a known shape, else the pattern the tuned ones share: 1024-wide K
     tiles, 4 warps, and the widest row block that still gives every SM ~4 programs (K split if none does).
 
-    1-byte weights (weight_bytes=1) take their own tuned table first (one row of x)."""
+    1-byte weights (weight_bytes=1) take their own tuned table first (one row of x). With silu_mul (the
+    activation fused in) the row block is at least SILU_MUL_MIN_BLOCK_N rows."""
+    config = _shape_config(m, n, k, num_sms, weight_bytes)
+    if silu_mul and config.block_n < SILU_MUL_MIN_BLOCK_N:
+        return dataclasses.replace(config, block_n=SILU_MUL_MIN_BLOCK_N)
+    return config
+
+
+def _shape_config(m: int, n: int, k: int, num_sms: int, weight_bytes: int) -> GemvConfig:
     rows = min(m, MAX_ROWS_PER_PROGRAM)
     tuned = (TUNED_ONE_BYTE if weight_bytes == 1 else {}).get((n, k, rows)) or TUNED.get((n, k, rows))
     if tuned is not None:
@@ -420,15 +470,22 @@ def gemv(
     *,
     scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) for a few rows of x; weight [N, K] with contiguous rows.
 
     With `scale` (float32 [N]), weight is int8 or float8_e4m3fn standing for weight * scale[:, None];
-    x stays bf16/fp16 and the output is in x's dtype."""
-    k = x.shape[-1]
+    x stays bf16/fp16 and the output is in x's dtype.
+
+    silu_mul: x is [..., 2K], a gated MLP's [gate | up], and the product is silu_and_mul(x) @ weight.T,
+    the activation computed on the fly (equal to running the silu_and_mul kernel first)."""
+    if silu_mul and x.shape[-1] % 2:
+        raise ValueError(f"gemv: silu_mul needs x [..., 2K] ([gate | up]), got last dim {x.shape[-1]}")
+    k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(f"gemv: weight must be [N, {k}] to match x's last dim, got {list(weight.shape)}")
+        what = "half of x's last dim (silu_mul)" if silu_mul else "x's last dim"
+        raise ValueError(f"gemv: weight must be [N, {k}] to match {what}, got {list(weight.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("gemv: weight needs contiguous rows (stride 1 along K)")
     if scale is not None:
@@ -444,7 +501,7 @@ def gemv(
         raise ValueError(f"gemv: x is {x.dtype} but weight is {weight.dtype}; cast one of them")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias must be [{n}], got {list(bias.shape)}")
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -453,7 +510,7 @@ def gemv(
         return out.reshape(*x.shape[:-1], n)
     if k == 0:
         return out.zero_().add_(bias if bias is not None else 0).reshape(*x.shape[:-1], n)
-    cfg = config or default_config(m, n, k, _num_sms(x.device), weight.element_size())
+    cfg = config or default_config(m, n, k, _num_sms(x.device), weight.element_size(), silu_mul)
     if cfg.block_n & (cfg.block_n - 1) or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"gemv: block_n and block_k must be powers of 2, got {cfg}")
     rows_per_program = min(m, MAX_ROWS_PER_PROGRAM)
@@ -499,6 +556,7 @@ def gemv(
         USE_PDL=pdl,
         PACKED=packed,
         FP8=weight.dtype == torch.float8_e4m3fn,
+        SILU_MUL=silu_mul,
         num_warps=cfg.num_warps,
         launch_pdl=cfg.use_pdl and pdl,
     )

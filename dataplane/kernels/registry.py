@@ -45,15 +45,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return kernel(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if (
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies x by weight with the GEMV (decode rows) rather than F.linear."""
+    return (
         x.dim() == 2
         and x.shape[0] <= GEMV_MAX_TOKENS
         and x.is_cuda
         and weight.dtype in GEMV_DTYPES
         and x.dtype == weight.dtype
         and weight.is_contiguous()
-    ):
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if gemv_applies(x, weight):
         from modelfleet.dataplane.kernels.gemv import gemv
 
         return gemv(x, weight, bias)

@@ -8,6 +8,9 @@ gate/up are column-parallel (the rank's heads, the rank's MLP columns), o_proj a
 row-parallel with an all-reduce after them, the embedding and the LM head split by vocabulary. A
 sliced module carries a `tp_shard` telling the loader which rows or columns to read. Without `tp`
 (one device) the model is the plain one.
+
+At decode the MLP's down projection, where it runs as the Triton GEMV, computes silu(gate) * up itself
+from the gate_up output (one kernel less per layer; the same result): see LlamaMLP.fuse_silu_mul.
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import torch
 import torch.nn.functional as F
 from modelfleet.dataplane.attention.backend import AttentionBackend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
-from modelfleet.dataplane.layers import RMSNorm, RotaryEmbedding, SiluAndMul, make_linear
+from modelfleet.dataplane.kernels import registry
+from modelfleet.dataplane.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul, make_linear
 from modelfleet.dataplane.layers.vocab_parallel import VocabParallelEmbedding
 from modelfleet.dataplane.models.config import ModelConfig
+from modelfleet.dataplane.ops import get_op
 from modelfleet.dataplane.parallel.sharding import Shard, even_range, split_heads, vocab_range
+from modelfleet.dataplane.quantization import QuantizedLinear
 from torch import nn
 
 if TYPE_CHECKING:
@@ -107,6 +113,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # Decode rows whose down projection runs as the GEMV: it reads gate_up and computes the activation
+    # itself (silu_mul_down_gemv). False (on the class or one module) keeps the separate activation kernel.
+    fuse_silu_mul = True
+
     def __init__(self, config: ModelConfig, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.tp = tp
@@ -130,8 +140,35 @@ class LlamaMLP(nn.Module):
             self.down_proj.tp_shard = Shard(dim=1, ranges=(cols,), full_sizes=(full,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        out = silu_mul_down_gemv(self.down_proj, gate_up) if self.fuse_silu_mul else None
+        if out is None:
+            out = self.down_proj(self.act(gate_up))
+        # row-parallel (tp): each rank's gate_up holds its own gate and up columns, down_proj its K slice
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def silu_mul_down_gemv(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """down(silu_and_mul(gate_up)) as one GEMV computing the activation as it reads gate_up [T, 2I], where
+    the built-in CUDA ops would run silu_and_mul's kernel and then down as the GEMV for these rows (decode
+    on CUDA with Triton; bf16/fp16 or QuantizedLinear int8/fp8 weights); else None (prefill, CPU, float32,
+    an op a user registered)."""
+    device_type = gate_up.device.type
+    if get_op("silu_and_mul", device_type) is not registry.silu_and_mul:
+        return None
+    # gate_up has the activation's rows and dtype, all that the checks below look at
+    if isinstance(down, QuantizedLinear):
+        applies, scale = down._gemv_applies(gate_up), down.weight_scale
+    elif isinstance(down, Linear):
+        builtin = get_op("linear", device_type) is registry.linear
+        applies, scale = builtin and registry.gemv_applies(gate_up, down.weight), None
+    else:
+        return None
+    if not applies:
+        return None
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    return gemv(gate_up, down.weight, down.bias, scale=scale, silu_mul=True)
 
 
 class LlamaDecoderLayer(nn.Module):
