@@ -66,9 +66,12 @@ def reference(gate_up, weight, bias, scale):
 
 
 def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 results that differ by at most one unit in the last place of the larger of the two."""
+    """bf16 results that differ by at most one unit in the last place of the larger of the two. Results
+    below a thousandth of the largest count as that size: there another summation order's fp32 error,
+    not the bf16 rounding, sets the difference."""
     g, w = got.float(), want.float()
-    _, exponent = torch.frexp(torch.maximum(g.abs(), w.abs()))
+    floor = 1e-3 * w.abs().max()
+    _, exponent = torch.frexp(torch.maximum(g.abs(), w.abs()).clamp_min(floor))
     ulp = torch.ldexp(torch.ones_like(g), exponent - 8)  # bf16: 8 significant bits
     worst = ((g - w).abs() / ulp).max().item()
     assert worst <= 1, f"differences up to {worst} bf16 ulps"
@@ -190,7 +193,7 @@ def random_llama(device, weights):
                 q, scale = quantize(torch.randn(module.out_features, module.in_features) * 0.05, weights)
                 module.weight, module.weight_scale = q.to(device), scale.to(device)
     model.after_load(device)
-    return model
+    return model.requires_grad_(False)
 
 
 def decode_step(model, batch, device):
