@@ -9,10 +9,6 @@ Scales are symmetric per output channel: int8 maps max|row| to 127, fp8 maps it 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,40 +24,6 @@ _ALIGN = 64  # bytes  # Ada (L4) and Hopper (H100, H200) compute in e4m3
 # scales directly (modelfleet.dataplane.kernels.gemv): one program multiplies up to 4 rows of x, so the
 # weight is still read once; more tokens (prefill, large decode batches) take the matmul paths below.
 GEMV_MAX_TOKENS = 4
-# From this many rows a CUDA int8 QuantizedLinear quantizes its activations too (W8A8: per token, dynamic)
-# and multiplies on int8 tensor cores (torch._int_mm, about twice bf16's rate on an H100: 1979 dense TOPS
-# against 989 TFLOPS, from 3.35 TB/s). The weight-only Triton matmul reads N*K weight bytes and computes
-# in bf16: it is bound by those bytes until about 989 / 3.35 / 2 ~ 148 rows at peak, ~90 at the 60% of
-# peak a Triton matmul converting int8 in its loop gets. W8A8 reads the same weight and adds about
-# M * (3K + 10N) bytes (x read and its int8 written, the int32 result written and read, the output written):
-# +16% at 64 rows of a 4096 x 4096 layer, so slower while both are bound by bytes; at 128 rows the two
-# are even (~0.43 ps per weight element bf16-bound against ~0.39 bytes-bound); at 256 W8A8 is ~1.7x and
-# at 512 (max_num_seqs' decode batches) ~2.5x the weight-only kernel, which there is also slower than bf16.
-INT8_W8A8_MIN_ROWS = 128
-# W8A8 adds the activations' rounding to the weights': on a random Llama layer of Llama-3.2-1B's width, the
-# relative output error is 1.4x weight-only's on the norms' Gaussian-like outputs and 3.2x on down_proj's
-# heavy-tailed input (max/rms 12); end to end on the 1B preset (CPU, validation inputs) the max logit
-# difference is 5.0x the bf16 baseline's (weight-only 2.85x), over the converter's int8 limit. So W8A8
-# runs only inside int8_w8a8(), which the model runner enters for decode steps: prefill keeps weight-only
-# int8, the accuracy the converter validated (tests/dataplane/test_int8_w8a8.py measures both).
-# torch._int_mm (cuBLASLt) refuses fewer rows than this, and K or N not a multiple of INT_MM_ALIGN.
-INT_MM_MIN_ROWS = 17
-INT_MM_ALIGN = 8
-
-
-_INT8_W8A8 = contextvars.ContextVar("int8_w8a8", default=False)
-
-
-@contextlib.contextmanager
-def int8_w8a8(enabled: bool = True) -> Iterator[None]:
-    """Within it, CUDA int8 QuantizedLinears of at least INT8_W8A8_MIN_ROWS rows quantize their activations
-    per token and multiply int8 x int8 (see INT8_W8A8_MIN_ROWS for when and why); outside, weight-only.
-    A context variable, so each thread (tensor-parallel rank, engine thread) has its own."""
-    token = _INT8_W8A8.set(enabled)
-    try:
-        yield
-    finally:
-        _INT8_W8A8.reset(token)
 
 
 class QuantizationError(RuntimeError):
@@ -111,45 +73,17 @@ def dequantize_to(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row float8 e4m3 of activations [M, K]: (fp8 [M, K], float32 scale [M, 1]). One Triton kernel on
     CUDA (the torch ops are seven launches, which cost more than the matmul when decoding)."""
-    return _quantize_rows(x, FP8_DTYPE, FP8_MAX, rounding=False)
-
-
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8 of activations [M, K] (dynamic, per token): (int8 [M, K], float32 scale
-    [M, 1]), max|row| -> 127 and each value rounded to the nearest step (halves up). One Triton kernel on
-    CUDA, like quantize_rows_fp8."""
-    return _quantize_rows(x, torch.int8, INT8_MAX, rounding=True)
-
-
-def _quantize_rows(
-    x: torch.Tensor, qdtype: torch.dtype, qmax: float, rounding: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    kernel = _triton_rows_kernel() if x.is_cuda else None
-    if kernel is None or x.shape[1] > _ROWS_KERNEL_MAX_K:
-        return _quantize_rows_torch(x, qdtype, qmax, rounding)
-    return _launch_rows_kernel(kernel, x, qdtype, qmax, rounding)
-
-
-def _quantize_rows_torch(
-    x: torch.Tensor, qdtype: torch.dtype, qmax: float, rounding: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.detach().float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / qmax
-    q = (x.float() / scale).clamp_(-qmax, qmax)
-    if rounding:  # floor(q + 0.5), as the kernel does: Triton has no round-half-to-even on every backend
-        q = q.add_(0.5).floor_()
-    return q.to(qdtype), scale
-
-
-def _launch_rows_kernel(
-    kernel, x: torch.Tensor, qdtype: torch.dtype, qmax: float, rounding: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = _triton_fp8_rows_kernel() if x.is_cuda else None
+    if kernel is None or x.shape[1] > 32768:
+        scale = x.detach().float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / FP8_MAX
+        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     import triton
 
     x = x.contiguous()
     m, k = x.shape
-    out = torch.empty((m, k), device=x.device, dtype=qdtype)
+    out = torch.empty((m, k), device=x.device, dtype=FP8_DTYPE)
     scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
-    kernel[(m,)](x, out, scale, k, x.stride(0), qmax, _TINY, ROUND=rounding, BLOCK=triton.next_power_of_2(k))
+    kernel[(m,)](x, out, scale, k, x.stride(0), FP8_MAX, _TINY, BLOCK=triton.next_power_of_2(k))
     return out, scale
 
 
@@ -179,9 +113,7 @@ class QuantizedLinear(nn.Module):
 
     Decode on CUDA (up to GEMV_MAX_TOKENS bf16/fp16 rows): a Triton GEMV reads the int8 or e4m3 weight and
     its scales in its inner loop, activations unquantized. Otherwise int8: weight-only; a Triton matmul on
-    CUDA, torch._weight_int8pack_mm on the CPU, with a dequantize-then-matmul fallback; inside int8_w8a8()
-    (decode steps), CUDA batches of INT8_W8A8_MIN_ROWS rows or more quantize their activations per token
-    and multiply on int8 tensor cores (int8_w8a8_matmul). fp8: activations
+    CUDA, torch._weight_int8pack_mm on the CPU, with a dequantize-then-matmul fallback. fp8: activations
     are scaled to e4m3 per token and torch._scaled_mm multiplies on fp8 tensor cores. fp8 anywhere without
     fp8 refuses with QuantizationError.
     """
@@ -202,7 +134,6 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._use_int8pack = True
-        self._use_int_mm = True
         self._rowwise_fp8 = True
         self._fp8_checked = False
 
@@ -244,13 +175,6 @@ class QuantizedLinear(nn.Module):
         return self.weight.stride(1) == 1 and scale.dtype == torch.float32 and scale.is_contiguous()
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
-        if self._w8a8_applies(x):
-            try:
-                return int8_w8a8_matmul(x, self.weight, self.weight_scale)
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError:
-                self._use_int_mm = False  # no int8 GEMM on this GPU or build: weight-only for good
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             # The Triton kernel reads the int8 weight once and converts it in registers; without Triton,
             # dequantize once per call and let cuBLAS multiply (correct, but it reads more bytes than bf16).
@@ -267,18 +191,6 @@ class QuantizedLinear(nn.Module):
             except (RuntimeError, NotImplementedError):
                 self._use_int8pack = False  # this device/dtype lacks the kernel: fall back for good
         return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype))
-
-    def _w8a8_applies(self, x: torch.Tensor) -> bool:
-        """Inside int8_w8a8(), many CUDA rows in a shape torch._int_mm takes, until it once refused."""
-        return (
-            _INT8_W8A8.get()
-            and self._use_int_mm
-            and w8a8_fits(x.shape[0], self.in_features, self.out_features)
-            and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and self.weight.is_contiguous()  # so that weight.t() is column-major
-            and hasattr(torch, "_int_mm")
-        )
 
     def _fp8(self, x: torch.Tensor) -> torch.Tensor:
         if not self._fp8_checked:
@@ -307,8 +219,7 @@ class QuantizedLinear(nn.Module):
 # bound decode, so the kernel streams the int8 weight once and scales each output channel at the end.
 
 _KERNEL: list = []  # [kernel or None], built on first use
-_ROWS_KERNEL: list = []
-_ROWS_KERNEL_MAX_K = 32768  # one program holds a whole row
+_FP8_ROWS_KERNEL: list = []
 
 
 def _triton_int8_kernel():
@@ -390,104 +301,25 @@ def int8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.
     return y
 
 
-# ---- int8 W8A8: activations quantized per token, int8 x int8 -> int32 on tensor cores, scaled after ----
-
-
-def w8a8_fits(rows: int, k: int, n: int) -> bool:
-    """Whether x [rows, K] @ weight [N, K].T is worth W8A8 (INT8_W8A8_MIN_ROWS) in a shape torch._int_mm
-    takes; other shapes keep the weight-only matmul."""
-    enough = rows >= max(INT8_W8A8_MIN_ROWS, INT_MM_MIN_ROWS)
-    return enough and k > 0 and k % INT_MM_ALIGN == 0 and n > 0 and n % INT_MM_ALIGN == 0
-
-
-def int8_w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y [M, N] ~= x [M, K] @ (weight [N, K] int8 * scale [N]).T, in x's dtype: x is quantized per row to
-    int8 (quantize_rows_int8), torch._int_mm multiplies exactly into int32, and each output is scaled by
-    its row's and its channel's scale. torch._int_mm's own shape rules apply (on CUDA: M >= INT_MM_MIN_ROWS,
-    K and N multiples of INT_MM_ALIGN); it raises RuntimeError where it cannot run."""
-    x_q, x_scale = quantize_rows_int8(x)
-    # weight.t() is the [K, N] column-major view: the layout cuBLASLt's int8 GEMM wants, no copy
-    acc = torch._int_mm(x_q, weight.t())
-    return scale_int32(acc, x_scale, scale, x.dtype)
-
-
-def scale_int32(
-    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """acc [M, N] int32 * x_scale [M, 1] * w_scale [N], in `dtype`: one pass over acc on CUDA (the torch
-    ops are four, and at 512 rows of an 8B model's projections each pass costs a third of the matmul)."""
-    kernel = _triton_scale_kernel() if acc.is_cuda else None
-    if kernel is None:
-        return (acc.float() * x_scale * w_scale.float()[None, :]).to(dtype)
-    return _launch_scale_kernel(kernel, acc, x_scale, w_scale, dtype)
-
-
-def _launch_scale_kernel(
-    kernel, acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    import triton
-
-    m, n = acc.shape
-    y = torch.empty((m, n), device=acc.device, dtype=dtype)
-    grid = (triton.cdiv(m, _SCALE_BLOCK_M), triton.cdiv(n, _SCALE_BLOCK_N))
-    kernel[grid](acc, x_scale, w_scale, y, m, n, acc.stride(0), y.stride(0),
-                 BLOCK_M=_SCALE_BLOCK_M, BLOCK_N=_SCALE_BLOCK_N)  # fmt: skip
-    return y
-
-
-_SCALE_BLOCK_M, _SCALE_BLOCK_N = 16, 256
-_SCALE_KERNEL: list = []
-
-
-def _triton_scale_kernel():
-    if _SCALE_KERNEL:
-        return _SCALE_KERNEL[0]
+def _triton_fp8_rows_kernel():
+    if _FP8_ROWS_KERNEL:
+        return _FP8_ROWS_KERNEL[0]
     try:
         import triton
         import triton.language as tl
     except ImportError:
-        _SCALE_KERNEL.append(None)
+        _FP8_ROWS_KERNEL.append(None)
         return None
 
-    @triton.jit  # named: a profile of a W8A8 int8 model lists this kernel after each torch._int_mm
-    def scale_int32_kernel(acc_ptr, xs_ptr, ws_ptr, y_ptr, M, N, stride_am, stride_ym,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        acc = tl.load(acc_ptr + rm[:, None] * stride_am + rn[None, :], mask=mask, other=0)
-        xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
-        ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
-        y = acc.to(tl.float32) * xs[:, None] * ws[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    _SCALE_KERNEL.append(scale_int32_kernel)
-    return scale_int32_kernel
-
-
-def _triton_rows_kernel():
-    if _ROWS_KERNEL:
-        return _ROWS_KERNEL[0]
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        _ROWS_KERNEL.append(None)
-        return None
-
-    @triton.jit  # named: a profile of an fp8 or W8A8 int8 model lists this kernel per linear layer
-    def quantize_rows_kernel(
-        x_ptr, out_ptr, scale_ptr, K, stride_xm, qmax, tiny, ROUND: tl.constexpr, BLOCK: tl.constexpr
-    ):
+    @triton.jit  # named: a profile of an fp8 model lists this kernel per linear layer
+    def fp8_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_xm, fp8_max, tiny, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), tiny) / qmax
-        q = tl.clamp(x / scale, -qmax, qmax)
-        if ROUND:  # int8: float -> int conversion truncates, so round to the nearest step first
-            q = tl.floor(q + 0.5)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), tiny) / fp8_max
+        q = tl.clamp(x / scale, -fp8_max, fp8_max)
         tl.store(out_ptr + row * K + cols, q.to(out_ptr.dtype.element_ty), mask=cols < K)
         tl.store(scale_ptr + row, scale)
 
-    _ROWS_KERNEL.append(quantize_rows_kernel)
-    return quantize_rows_kernel
+    _FP8_ROWS_KERNEL.append(fp8_rows_kernel)
+    return fp8_rows_kernel

@@ -27,7 +27,6 @@ import torch
 from modelfleet.dataplane.config import EngineConfig
 from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
-from modelfleet.dataplane.quantization import int8_w8a8
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner
@@ -188,7 +187,7 @@ class ModelRunner:
         )
         if not runner.enabled:  # e.g. an attention backend that reads device data on the host
             return None
-        with torch.inference_mode(), int8_w8a8():  # int8 artifacts: W8A8 for decode batches
+        with torch.inference_mode():
             runner.capture()
         return runner
 
@@ -331,10 +330,9 @@ class ModelRunner:
                 },
                 batch_size=len(seq_lens),
             )
-        with int8_w8a8(max_query_len == 1):  # as the captured decode graphs; prefill weight-only
-            return self._forward_eager(
-                input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, max_query_len
-            )
+        return self._forward_eager(
+            input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, max_query_len
+        )
 
     def _forward_eager(
         self,
