@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -109,13 +108,15 @@ def _step_outputs(running: dict[str, tuple[int, int]]) -> list:
     return outputs
 
 
-def stand_in_process_main(conn, step_s: float) -> None:
-    """A stand-in engine process: engine_process's messages over its pipe, one token per running
-    request and step, no model (the child of `stand_in_process_engine`)."""
-    from modelfleet.dataplane.engine.messages import Abort, Add, Close, Outputs, Ready
+def stand_in_process_main(conn, to_relays, step_s: float) -> None:
+    """A stand-in engine process: engine_process's messages over its pipe (and its relays' pipes, through
+    the same OutputRoutes), one token per running request and step, no model."""
+    from modelfleet.dataplane.engine.engine_process import OutputRoutes
+    from modelfleet.dataplane.engine.messages import Abort, Add, Close, Ready
     from modelfleet.dataplane.engine.outputs import RequestOutput
 
     conn.send(Ready(_limits(), _stats({})))
+    routes = OutputRoutes(conn, to_relays)
     running: dict[str, tuple[int, int]] = {}
     while True:
         started = time.perf_counter()
@@ -125,49 +126,30 @@ def stand_in_process_main(conn, step_s: float) -> None:
                 return
             if isinstance(command, Add):
                 running[command.request_id] = (command.validated[1].max_tokens, 0)
+                routes.add(command.request_id, command.sink)
             elif isinstance(command, Abort) and running.pop(command.request_id, None) is not None:
                 aborted = RequestOutput(
                     command.request_id, [], finish_reason="abort", finished=True, delta=True
                 )
-                conn.send(Outputs([aborted], _stats(running)))
-        conn.send(Outputs(_step_outputs(running), _stats(running)))
+                routes.send([aborted], _stats(running))
+        routes.send(_step_outputs(running), _stats(running))
         time.sleep(max(step_s - (time.perf_counter() - started), 0.0))
 
 
-def stand_in_process_engine(folder: str, step_s: float):
-    """The server's real reader of an engine process (AsyncLLMProcess: its pipe, reader thread and
-    delivery), on a stand-in child instead of LLMEngine."""
-    import gc
-    import multiprocessing
+def stand_in_process_engine(folder: str, step_s: float, stream_relays: int = 0):
+    """The server's real reader of an engine process (AsyncLLMProcess: its pipe, reader thread, delivery
+    and stream relays), on a stand-in child instead of LLMEngine."""
+    import functools
 
     from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
-    from modelfleet.dataplane.engine.messages import Ready
-    from transformers import AutoTokenizer
 
-    class StandInProcess(AsyncLLMProcess):
-        def __init__(self) -> None:  # AsyncLLMProcess's start, with the stand-in as the child
-            context = multiprocessing.get_context("spawn")
-            self._conn, child_conn = context.Pipe()
-            self._process = context.Process(
-                target=stand_in_process_main, args=(child_conn, step_s), daemon=True
-            )
-            self._process.start()
-            child_conn.close()
-            ready = self._receive_start()
-            assert isinstance(ready, Ready), ready
-            self._limits, self._stats = ready.limits, ready.stats
-            self.max_model_len, self.vocab_size = ready.limits.max_model_len, ready.limits.vocab_size
-            self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            self._tokenizer_lock = threading.Lock()
-            self._send_lock = threading.Lock()
-            self._start("stand-in-engine-io")
-            gc.collect()
-            gc.freeze()
-
-    return StandInProcess()
+    child = functools.partial(stand_in_process_main, step_s=step_s)
+    return AsyncLLMProcess(folder, stream_relays=stream_relays, child=child)
 
 
-def serve(port: int, step_ms: float, per_output: bool, loop: str, engine: str = "thread") -> None:
+def serve(
+    port: int, step_ms: float, per_output: bool, loop: str, engine: str = "thread", stream_relays: int = 0
+) -> None:
     import uvicorn
     from modelfleet.dataplane.manifest import single_model_manifest
     from modelfleet.dataplane.server.runtime import build_app
@@ -180,7 +162,7 @@ def serve(port: int, step_ms: float, per_output: bool, loop: str, engine: str = 
         ServerSettings(max_tokens_limit=100_000),
         manifest,
         loader=lambda spec: (
-            stand_in_process_engine(folder, step_ms / 1e3)
+            stand_in_process_engine(folder, step_ms / 1e3, stream_relays)
             if engine == "process"
             else stand_in_engine(folder, step_ms / 1e3, per_output)
         ),
@@ -212,7 +194,7 @@ def measure(args: argparse.Namespace, delivery: str) -> dict:
     port = free_port()
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-port", str(port)]
     command += ["--step-ms", str(args.step_ms), "--delivery", delivery, "--loop", args.loop]
-    command += ["--engine", args.engine]
+    command += ["--engine", args.engine, "--stream-relays", str(args.stream_relays)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -283,6 +265,13 @@ def main() -> int:
         "reader thread), as the GPU images serve; its CPU is not counted",
     )
     parser.add_argument(
+        "--stream-relays",
+        type=int,
+        default=0,
+        help="with --engine process: relay processes that write the streams after their first token "
+        "(the server's MODELFLEET_STREAM_RELAYS); their CPU is not counted as the server's",
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="py-spy's samples of the server process during the load, collapsed stacks (one run: "
@@ -291,13 +280,22 @@ def main() -> int:
     parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_port:
-        serve(args.serve_port, args.step_ms, args.delivery == "output", args.loop, args.engine)
+        serve(
+            args.serve_port,
+            args.step_ms,
+            args.delivery == "output",
+            args.loop,
+            args.engine,
+            args.stream_relays,
+        )
         return 0
 
     if args.profile and args.delivery == "both":
         parser.error("--profile records one server: give --delivery step or output")
     if args.engine == "process" and args.delivery != "step":
         parser.error("--engine process delivers as the engine process does: give --delivery step")
+    if args.stream_relays and args.engine != "process":
+        parser.error("--stream-relays: relays serve an engine process: give --engine process")
     runs = [measure(args, d) for d in (["output", "step"] if args.delivery == "both" else [args.delivery])]
     report = {
         "bench": "stream_overhead",
@@ -307,6 +305,7 @@ def main() -> int:
         "step_ms": args.step_ms,
         "loop": args.loop,
         "engine": args.engine,
+        "stream_relays": args.stream_relays,
         **runs[-1],
     }
     if len(runs) == 2:

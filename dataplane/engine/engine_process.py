@@ -12,6 +12,10 @@ ids and checked parameters), `Abort`, `Close`. Child -> parent: `Ready` (the eng
 more (a tensor-parallel rank died). A reader thread in the parent delivers outputs to the requests'
 streams; if the child dies, every open stream ends with an error and `failure` says why, so that the
 owner (the server's model manager) starts a new engine.
+
+With `stream_relays`, the process also starts that many relay processes (stream_relay.py) and the
+engine process sends them the outputs after the first of the requests added with a relay as sink
+(`generate(..., sink=...)`): the relays write those streams to the clients' sockets.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import logging
 import multiprocessing
 import os
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +48,18 @@ from modelfleet.dataplane.engine.messages import (
     StartFailed,
     StepFailed,
 )
-from modelfleet.dataplane.engine.outputs import EngineStats
+from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
 from modelfleet.dataplane.engine.protocol import EngineLimits
+from modelfleet.dataplane.engine.stream_relay import (
+    Drop,
+    Forwarded,
+    Handoff,
+    RelayDone,
+    RelayRow,
+    RelayRows,
+    StreamSink,
+    run_relay,
+)
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
 from modelfleet.dataplane.sampling_params import SamplingParams
 
@@ -54,22 +70,62 @@ class EngineProcessError(RuntimeError):
     """The engine process could not start, or stopped."""
 
 
+class _RelayLink:
+    """The server's end of one relay process: handoffs and drops out, what it wrote back in."""
+
+    def __init__(self, process: Any, conn: Connection) -> None:
+        self.process, self.conn = process, conn
+        self.lock = threading.Lock()
+        self.requests: set[str] = set()  # relayed here and not yet over
+        self.alive = True
+
+    def send(self, message: Handoff | Drop, fd: int | None = None) -> bool:
+        try:
+            with self.lock:
+                self.conn.send(message)
+                if fd is not None:
+                    send_handle(self.conn, fd, self.process.pid)
+            return True
+        except (OSError, ValueError):  # the relay is gone: its reader fails its streams
+            return False
+
+
 class AsyncLLMProcess(PromptChecks, ThreadedEngine):
-    def __init__(self, model: str | Path, **engine_config: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        stream_relays: int = 0,
+        send_timeout: float = 30.0,
+        child: Callable[[Connection, list[Connection]], None] | None = None,
+        **engine_config: Any,
+    ) -> None:
+        """`child`: the engine process's main, given its pipe and its ends of the relays' pipes
+        (default: run_engine_process with this config; a benchmark passes a stand-in)."""
         from modelfleet.dataplane.engine.llm_engine import load_tokenizer
         from transformers import AutoTokenizer
 
         config = EngineConfig.from_kwargs(model, **engine_config)  # bad settings fail here, not in the child
+        if stream_relays < 0:
+            raise ValueError(f"stream_relays: {stream_relays} must be >= 0")
         context = multiprocessing.get_context("spawn")
+        relays = [_start_relay(context, send_timeout) for _ in range(stream_relays)]
+        self._relays = [link for link, _ in relays]
+        self.stream_relays = stream_relays
         self._conn, child_conn = context.Pipe()
+        to_relays = [end for _, end in relays]
+        child = child or functools.partial(run_engine_process, config=config)
         self._process = context.Process(
-            target=run_engine_process, args=(child_conn, config), name="modelfleet-engine", daemon=True
+            target=child, args=(child_conn, to_relays), name="modelfleet-engine", daemon=True
         )
         self._process.start()
         child_conn.close()
+        for end in to_relays:
+            end.close()
         ready = self._receive_start()
         if not isinstance(ready, Ready):
             self._process.join(timeout=30)
+            self._stop_relays()
             raise EngineProcessError(f"the engine process could not start: {ready.message}")
         self._limits = ready.limits
         self.max_model_len: int = ready.limits.max_model_len
@@ -78,11 +134,23 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         self._tokenizer_lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._next_relay = 0
+        self.streams_handed_off = 0  # streams whose rest a relay wrote to the client's socket
         self._start("modelfleet-engine-io")
+        for index, link in enumerate(self._relays):
+            name = f"modelfleet-relay-io-{index}"
+            threading.Thread(target=self._read_relay, args=(link,), name=name, daemon=True).start()
         # What exists now (the libraries, the server) lives as long as the process: leave it out of
         # full collections, which would otherwise scan it all and stall the event loop for tens of ms.
         gc.collect()
         gc.freeze()
+
+    def _stop_relays(self) -> None:
+        for link in self._relays:
+            link.conn.close()  # a relay exits when the server's end closes
+            link.process.join(timeout=5)
+            if link.process.is_alive():
+                link.process.kill()
 
     def _receive_start(self) -> Ready | StartFailed:
         try:
@@ -100,10 +168,61 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         return self._stats
 
     def _add_command(
-        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
+        self,
+        request_id: str,
+        prompt: Prompt,
+        priority: int,
+        validated: tuple[list[int], SamplingParams],
+        sink: int = 0,
     ) -> Add:
         # The child needs the token ids alone: a prompt text stays here.
-        return Add(request_id, validated[0], priority, validated)
+        return Add(request_id, validated[0], priority, validated, sink)
+
+    def _pick_relay(self, request_id: str) -> int:
+        """The live relay (1-based) with the fewest streams, ties in turn; 0 (this process) if none."""
+        start = self._next_relay = (self._next_relay + 1) % len(self._relays)
+        order = [link for link in self._relays[start:] + self._relays[:start] if link.alive]
+        if not order:
+            return 0
+        link = min(order, key=lambda link: len(link.requests))
+        link.requests.add(request_id)
+        return self._relays.index(link) + 1
+
+    def _hand_off(self, request_id: str, relay: int, sink: StreamSink) -> None:
+        """After the stream's first output: its socket to the relay, or the stream back to this process
+        (where the socket is busy or unknown) by a handoff without a template."""
+        link = self._relays[relay - 1]
+        fd = sink.socket_fd() if sink.template is not None else None
+        if fd is None:
+            sent = link.send(Handoff(request_id, None))
+        else:
+            sent = link.send(Handoff(request_id, sink.template, sink.last_output_at), fd)
+            self.streams_handed_off += sent
+        if not sent:  # the relay died: the outputs it was sent are lost with it
+            self._deliver(request_id, EngineProcessError("the stream relay writing this answer stopped"))
+
+    def _relay_over(self, request_id: str, relay: int, finished: bool) -> None:
+        link = self._relays[relay - 1]
+        link.requests.discard(request_id)
+        if not finished:  # given up before its end: the relay writes nothing more of it
+            link.send(Drop(request_id))
+
+    def _read_relay(self, link: _RelayLink) -> None:
+        """A relay's reader thread: what it wrote (RelayDone) or forwards, to the requests' streams."""
+        while True:
+            try:
+                message = link.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, RelayDone):
+                self._deliver(message.request_id, _relayed_output(message))
+            elif isinstance(message, Forwarded):
+                self._deliver_all((row[0], _row_output(row)) for row in message.rows)
+        link.alive = False
+        if not self._closed:
+            logger.error("stream relay %s exited (code %s)", link.process.pid, link.process.exitcode)
+        failed = EngineProcessError("the stream relay writing this answer stopped")
+        self._deliver_all((request_id, failed) for request_id in list(link.requests))
 
     def _submit(self, command: Command) -> None:
         # Straight to the child: no thread of this process has to wake for it.
@@ -158,9 +277,44 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             self._process.join(timeout=10)
         self._conn.close()
         self._thread.join(timeout=30)
+        self._stop_relays()
 
 
-def run_engine_process(conn: Connection, config: EngineConfig) -> None:
+def _start_relay(context: Any, send_timeout: float) -> tuple[_RelayLink, Connection]:
+    """A relay process; returns the server's link to it and the end the engine process sends on."""
+    from_engine, to_relay = context.Pipe(duplex=False)
+    server_end, relay_end = context.Pipe()  # duplex: a socket pair, which can carry descriptors
+    process = context.Process(
+        target=run_relay, args=(from_engine, relay_end, send_timeout), name="modelfleet-relay", daemon=True
+    )
+    process.start()
+    from_engine.close()
+    relay_end.close()
+    return _RelayLink(process, server_end), to_relay
+
+
+def _relayed_output(done: RelayDone) -> RequestOutput:
+    """The stream's last output: what its relay wrote (finished unless the client left)."""
+    return RequestOutput(
+        done.request_id,
+        [],
+        finish_reason=done.finish_reason,
+        finished=not done.client_gone,
+        error=done.error,
+        delta=True,
+        relayed=done,
+    )
+
+
+def _row_output(row: RelayRow) -> RequestOutput:
+    """A forwarded row as the delta output it was (relayed requests never ask for logprobs)."""
+    request_id, text, token_ids, finish_reason, finished, error = row
+    return RequestOutput(
+        request_id, [], text, token_ids, text, token_ids, None, finish_reason, finished, error, delta=True
+    )
+
+
+def run_engine_process(conn: Connection, to_relays: list[Connection], config: EngineConfig) -> None:
     """The child's main: build the engine, then step it, applying commands between steps."""
     from modelfleet.dataplane.observability import configure_logging
 
@@ -176,8 +330,56 @@ def run_engine_process(conn: Connection, config: EngineConfig) -> None:
     limits = EngineLimits(config.max_num_seqs, engine.max_model_len, engine.model_config.vocab_size)
     locked.send(Ready(limits, engine.stats()))
     with contextlib.suppress(EOFError, OSError):  # the parent is gone
-        _serve(locked, engine)
+        _serve(locked, engine, OutputRoutes(locked, to_relays))
     engine.close()
+
+
+class OutputRoutes:
+    """Where an engine process sends each output: to the server, or, for a request added with a relay
+    as its sink, every output after its first to that relay (stream_relay.py)."""
+
+    def __init__(self, conn: Any, to_relays: list[Connection]) -> None:
+        self.conn, self.to_relays = conn, to_relays
+        self._first: dict[str, int] = {}  # relayed requests whose first output has not gone out
+        self._relayed: dict[str, int] = {}  # the others, until their last output
+        self._dead: set[int] = set()
+
+    def add(self, request_id: str, sink: int) -> None:
+        if sink and self.to_relays:
+            self._first[request_id] = sink
+
+    def send(self, outputs: list[RequestOutput], stats: EngineStats, *, server: bool = True) -> None:
+        """One step's outputs; the server gets its own with the stats (even none: the stats move)."""
+        mine: list[RequestOutput] = []
+        rows: dict[int, list[RelayRow]] = {}
+        for output in outputs:
+            request_id = output.request_id
+            relay = self._relayed.get(request_id)
+            if relay is None:
+                first = self._first.pop(request_id, None)
+                if first is not None and not output.finished:
+                    self._relayed[request_id] = first
+                mine.append(output)
+                continue
+            if output.finished:
+                del self._relayed[request_id]
+            row = (
+                request_id,
+                output.new_text,
+                output.new_token_ids,
+                output.finish_reason,
+                output.finished,
+                output.error,
+            )
+            rows.setdefault(relay, []).append(row)
+        for relay, relay_rows in rows.items():
+            if relay not in self._dead:
+                try:
+                    self.to_relays[relay - 1].send(RelayRows(relay_rows))
+                except (OSError, ValueError):  # the server fails the streams of a relay that died
+                    self._dead.add(relay)
+        if server:
+            self.conn.send(Outputs(mine, stats))
 
 
 class _LockedConnection:
@@ -206,13 +408,13 @@ def _exit_fatal(conn: _LockedConnection, reason: str) -> None:
     os._exit(1)
 
 
-def _serve(conn: _LockedConnection, engine: LLMEngine) -> None:
+def _serve(conn: _LockedConnection, engine: LLMEngine, routes: OutputRoutes) -> None:
     while True:
         # Idle: wait for a command. Busy: take what has arrived, then step.
-        if not engine.has_unfinished_requests() and not _apply(conn.recv(), conn, engine):
+        if not engine.has_unfinished_requests() and not _apply(conn.recv(), routes, engine):
             return
         while conn.poll():
-            if not _apply(conn.recv(), conn, engine):
+            if not _apply(conn.recv(), routes, engine):
                 return
         if not engine.has_unfinished_requests():
             continue
@@ -220,17 +422,18 @@ def _serve(conn: _LockedConnection, engine: LLMEngine) -> None:
             outputs = engine.step()
         except Exception as exc:  # a broken step fails every request in flight, loudly
             logging.getLogger(__name__).exception("engine step failed")
-            for request_id in list(engine.scheduler.requests):
-                engine.abort(request_id)
+            aborted = [engine.abort(request_id) for request_id in list(engine.scheduler.requests)]
+            # The server fails every stream on StepFailed; relays only learn that theirs ended.
+            routes.send([output for output in aborted if output is not None], engine.stats(), server=False)
             conn.send(StepFailed(f"{type(exc).__name__}: {exc}"))
             if engine.failure is not None:
                 _exit_fatal(conn, engine.failure)
             continue
         if outputs:
-            conn.send(Outputs(outputs, engine.stats()))
+            routes.send(outputs, engine.stats())
 
 
-def _apply(command: Command, conn: _LockedConnection, engine: LLMEngine) -> bool:
+def _apply(command: Command, routes: OutputRoutes, engine: LLMEngine) -> bool:
     """Applies one command; False for `Close`."""
     if isinstance(command, Add):
         try:
@@ -238,11 +441,13 @@ def _apply(command: Command, conn: _LockedConnection, engine: LLMEngine) -> bool
                 command.request_id, command.prompt, priority=command.priority, validated=command.validated
             )
         except ValueError as exc:
-            conn.send(Refused(command.request_id, str(exc)))
+            routes.conn.send(Refused(command.request_id, str(exc)))
+        else:
+            routes.add(command.request_id, command.sink)
     elif isinstance(command, Abort):
         output = engine.abort(command.request_id)
         if output is not None:
-            conn.send(Outputs([output], engine.stats()))
+            routes.send([output], engine.stats())
     elif isinstance(command, Close):
         return False
     return True

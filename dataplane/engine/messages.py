@@ -25,6 +25,7 @@ class Add:
     prompt: Prompt
     priority: int
     validated: tuple[list[int], SamplingParams]  # the caller's checks passed: token ids and parameters
+    sink: int = 0  # who reads the outputs after the first: 0 the caller, k its k-th stream relay
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.engine.stream_relay import RelayDone
 
 
 @dataclass
@@ -27,6 +30,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     delta: bool = False
+    # The last output of a stream whose rest a stream relay wrote to the client: what it wrote.
+    relayed: RelayDone | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """One output saying what this one and the later one of the same request say: the later one's

@@ -15,6 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable
+from typing import Any
 
 from modelfleet.dataplane.engine.llm_engine import Prompt
 from modelfleet.dataplane.engine.messages import Abort, Add, Command
@@ -41,7 +42,7 @@ async def stream_outputs(
     falls behind sends several tokens per chunk and catches up, instead of paying its per-chunk cost
     for each. A consumer that leaves before the end (closed or cancelled) calls `abandon`."""
     finished = False
-    held: RequestOutput | BaseException | None = None  # taken from the queue, handed out next
+    held: Item | None = None  # taken from the queue, handed out next
     try:
         while True:
             item = held if held is not None else await queue.get()
@@ -49,11 +50,15 @@ async def stream_outputs(
             if isinstance(item, BaseException):
                 finished = True
                 raise item
+            if item.relayed is not None:  # the last: the relay wrote the rest, or the client left
+                finished = item.finished
+                yield item
+                return
             if not item.finished and not queue.empty():
                 pile = [item]
                 while not pile[-1].finished and not queue.empty():
                     later = queue.get_nowait()
-                    if isinstance(later, BaseException):
+                    if isinstance(later, BaseException) or later.relayed is not None:
                         held = later
                         break
                     pile.append(later)
@@ -118,10 +123,27 @@ class ThreadedEngine(ABC):
         """Engine-wide statistics, as of the latest step."""
 
     def _add_command(
-        self, request_id: str, prompt: Prompt, priority: int, validated: tuple[list[int], SamplingParams]
+        self,
+        request_id: str,
+        prompt: Prompt,
+        priority: int,
+        validated: tuple[list[int], SamplingParams],
+        sink: int = 0,
     ) -> Add:
         """The "add" command the thread's loop gets."""
-        return Add(request_id, prompt, priority, validated)
+        return Add(request_id, prompt, priority, validated, sink)
+
+    # Stream relays (engine_process.py has them; an engine on a thread has none).
+    stream_relays = 0
+
+    def _pick_relay(self, request_id: str) -> int:
+        raise NotImplementedError
+
+    def _hand_off(self, request_id: str, relay: int, sink: Any) -> None:
+        raise NotImplementedError
+
+    def _relay_over(self, request_id: str, relay: int, finished: bool) -> None:
+        raise NotImplementedError
 
     @abstractmethod
     def _run(self) -> None:
@@ -133,8 +155,13 @@ class ThreadedEngine(ABC):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        sink: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams the request's outputs; the last has finished=True. Closing the iterator aborts."""
+        """Streams the request's outputs; the last has finished=True. Closing the iterator aborts.
+
+        With a `sink` (stream_relay.StreamSink) and stream relays, a relay writes the outputs after the
+        first to the sink's socket: the stream then ends with one output carrying what it wrote
+        (`relayed`; not finished if the client left)."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
         if self.failure is not None:
@@ -147,14 +174,25 @@ class ThreadedEngine(ABC):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(self._add_command(request_id, prompt, priority, validated))
+        relay = self._pick_relay(request_id) if sink is not None and self.stream_relays else 0
+        if relay:
+            self._submit(self._add_command(request_id, prompt, priority, validated, relay))
+        else:
+            self._submit(self._add_command(request_id, prompt, priority, validated))
+        finished = False
         try:
             abandon = functools.partial(self._submit, Abort(request_id))
             async with contextlib.aclosing(stream_outputs(queue, abandon)) as outputs:
                 async for output in outputs:
+                    finished = output.finished
                     yield output
+                    if relay and not finished:  # the consumer has written the first output's chunks
+                        self._hand_off(request_id, relay, sink)
+                        relay = -relay  # handed off (or taken back): once
         finally:
             self._streams.pop(request_id, None)
+            if relay:
+                self._relay_over(request_id, abs(relay), finished)
 
     def abort(self, request_id: str) -> Done:
         """Ends the request before its next step; its stream ends with finish_reason "abort"."""

@@ -134,14 +134,15 @@ async def _respond(generation: Generation, request: Request, *, stream: bool) ->
         if answer is None:  # nobody is listening any more; the request was aborted
             return Response(status_code=499)
         return JSONResponse(answer.model_dump(mode="json"), headers=headers)
-    chunks = generation.chunk_jsons()
+    sink = generation.relay_sink()
+    chunks = generation.chunk_jsons(sink)
     try:
         # Wait for the first token before sending headers: a request the engine refuses is still a 4xx.
         first = await anext(chunks, None)
     except BaseException:
         await chunks.aclose()
         raise
-    return SseResponse(first, chunks, headers=headers)
+    return SseResponse(first, chunks, headers=headers, sink=sink)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from modelfleet.dataplane.engine.outputs import RequestOutput
 from modelfleet.dataplane.engine.protocol import Engine
+from modelfleet.dataplane.engine.stream_relay import RelayDone, StreamSink
 from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server.errors import BadRequest
 
@@ -27,6 +28,7 @@ class ChoiceEvent:
     logprobs: Sequence[dict[int, float]] | None = None  # one per new token
     finish_reason: str | None = None
     error: str | None = None
+    relayed: RelayDone | None = None  # the last event of a stream whose rest a relay wrote
 
 
 def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -58,6 +60,10 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
 
 
 def _event(index: int, output: RequestOutput) -> ChoiceEvent:
+    if output.relayed is not None:
+        return ChoiceEvent(
+            index, finish_reason=output.finish_reason, error=output.error, relayed=output.relayed
+        )
     # A delta output (the server asks for them): its logprobs are the new tokens' alone. Its lists are
     # the event's own (nothing else reads the output), so they are not copied.
     return ChoiceEvent(
@@ -71,10 +77,18 @@ def _event(index: int, output: RequestOutput) -> ChoiceEvent:
 
 
 async def _one(
-    engine: Engine, index: int, prompt: list[int], params: SamplingParams, request_id: str
+    engine: Engine,
+    index: int,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str,
+    sink: StreamSink | None = None,
 ) -> AsyncGenerator[ChoiceEvent, None]:
     try:
-        stream = engine.generate(prompt, params, request_id=request_id)
+        if sink is None:
+            stream = engine.generate(prompt, params, request_id=request_id)
+        else:  # an engine with stream relays (engine_process.AsyncLLMProcess)
+            stream = engine.generate(prompt, params, request_id=request_id, sink=sink)  # type: ignore[call-arg]
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield _event(index, output)
@@ -83,10 +97,16 @@ async def _one(
 
 
 def merged_events(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int, request_id: str
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    request_id: str,
+    sink: StreamSink | None = None,
 ) -> AsyncGenerator[ChoiceEvent, None]:
     """Events of all choices (index = prompt_index * n + sample_index), in arrival order. One choice
-    (the common case) is its own stream: no layer in between to pass every token through."""
+    (the common case) is its own stream: no layer in between to pass every token through; it alone may
+    be written by a stream relay to `sink`."""
     subs = []
     for p_index, prompt in enumerate(prompts):
         for s_index in range(n):
@@ -97,7 +117,7 @@ def merged_events(
             subs.append((p_index * n + s_index, prompt, sub_params))
     if len(subs) == 1:
         index, prompt, sub_params = subs[0]
-        return _one(engine, index, prompt, sub_params, request_id)
+        return _one(engine, index, prompt, sub_params, request_id, sink)
     return _interleaved(engine, subs, request_id)
 
 

@@ -6,6 +6,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
+class ClientGone(Exception):
+    """The client stopped taking a streamed answer that a stream relay was writing (its write failed or
+    stalled past the send deadline): the request ends as a disconnect does."""
+
+
 class ServerError(Exception):
     """Base: a request failed with a reason the client can read."""
 

@@ -13,13 +13,15 @@ from collections.abc import AsyncGenerator
 from typing import Any, TypeAlias
 
 from modelfleet.dataplane.engine.protocol import Engine
+from modelfleet.dataplane.engine.stream_relay import StreamSink
 from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server import tracing as tr
 from modelfleet.dataplane.server.auth import Principal, Reservation
 from modelfleet.dataplane.server.engine_io import ChoiceEvent, merged_events
-from modelfleet.dataplane.server.errors import EngineFailure, ServerError
+from modelfleet.dataplane.server.errors import ClientGone, EngineFailure, ServerError
 from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.render import ChatRenderer, CompletionRenderer
+from modelfleet.dataplane.server.streaming import SocketSink
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
@@ -79,21 +81,40 @@ class Generation:
         client asked with `stream_options.include_usage`."""
         return self._chunks(encoded=False)
 
-    def chunk_jsons(self) -> AsyncGenerator[str, None]:
+    def chunk_jsons(self, sink: StreamSink | None = None) -> AsyncGenerator[str, None]:
         """The same chunks as JSON text, as SSE sends them; a token's chunk is encoded without a model
-        (Renderer.stream_json)."""
-        return self._chunks(encoded=True)
+        (Renderer.stream_json). With a `sink` (see relay_sink), a stream relay may write the chunks
+        after the first token's to the sink's socket itself: they are then not among these."""
+        return self._chunks(encoded=True, sink=sink)
 
-    async def _chunks(self, *, encoded: bool) -> AsyncGenerator[Any, None]:
+    def relay_sink(self) -> SocketSink | None:
+        """A sink for this stream's relay (streaming.SocketSink), where the engine has stream relays and
+        the stream is one choice of text-only chunks; else None."""
+        if not self.engine_relays or self.n != 1 or len(self.prompts) != 1:
+            return None
+        template = self.renderer.plain_template(0)
+        if template is None:
+            return None
+        return SocketSink((template.head, template.middle, template.tail))
+
+    @property
+    def engine_relays(self) -> int:
+        return getattr(self.engine, "stream_relays", 0)
+
+    async def _chunks(self, *, encoded: bool, sink: StreamSink | None = None) -> AsyncGenerator[Any, None]:
         renderer, tokenizer = self.renderer, self.engine.tokenizer
         opened = False
-        async with contextlib.aclosing(self._events()) as events:
+        async with contextlib.aclosing(self._events(sink)) as events:
             async for event in events:
                 if not opened:  # opening chunks wait for the first token, so a refusal is still an HTTP error
                     opened = True
                     for chunk in renderer.opening_chunks():
                         yield chunk.model_dump_json() if encoded else chunk
-                if encoded:
+                if event.relayed is not None:  # written by the relay: counted, not sent
+                    relayed = event.relayed
+                    tokens = sum(count for count, _ in relayed.counts)
+                    renderer.count_written(event.index, tokens, relayed.finish_reason)
+                elif encoded:
                     yield renderer.stream_json(event, tokenizer)
                 else:
                     renderer.add(event)
@@ -102,7 +123,7 @@ class Generation:
             usage = renderer.usage_chunk()
             yield usage.model_dump_json() if encoded else usage
 
-    async def _events(self) -> AsyncGenerator[ChoiceEvent, None]:
+    async def _events(self, sink: StreamSink | None = None) -> AsyncGenerator[ChoiceEvent, None]:
         """Engine outputs for all choices, with metrics, spans, token charges and cleanup."""
         metrics = self.metrics.of_version(self.model, self.version)
         counts = metrics.stream
@@ -114,10 +135,15 @@ class Generation:
         prefill = self.tracer.start_span("prefill", context=trace.set_span_in_context(self.span))
         decode: Span | None = None
         try:
-            stream = merged_events(self.engine, self.prompts, self.params, self.n, self.request_id)
+            stream = merged_events(self.engine, self.prompts, self.params, self.n, self.request_id, sink)
             async with contextlib.aclosing(stream):
                 async for event in stream:
-                    if event.new_token_ids:
+                    if event.relayed is not None:  # the rest of the stream, as its relay timed it
+                        for count, gap in event.relayed.counts:
+                            counts.add(count, gap)
+                        if event.relayed.client_gone:
+                            raise ClientGone(f"request {self.request_id}: the client stopped reading")
+                    elif event.new_token_ids:
                         now = time.monotonic()
                         count = len(event.new_token_ids)
                         if first_token_at is None:
@@ -131,15 +157,14 @@ class Generation:
                         # tokens that came together share the gap since the choice's previous ones
                         counts.add(count, None if previous is None else (now - previous) / count)
                         last_token_at[event.index] = now
+                        if sink is not None:
+                            sink.last_output_at = now
                     if event.finish_reason == "error":
                         raise EngineFailure(
                             f"the engine failed this request: {event.error or 'unknown error'}"
                         )
                     yield event
-        except GeneratorExit:
-            status = CLIENT_GONE
-            raise
-        except asyncio.CancelledError:
+        except (GeneratorExit, asyncio.CancelledError, ClientGone):
             status = CLIENT_GONE
             raise
         except ServerError as exc:

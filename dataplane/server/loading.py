@@ -63,8 +63,9 @@ def is_onnx_artifact(artifact: Path) -> bool:
     return artifact_format(artifact) == "onnx"
 
 
-def load_engine(spec: VersionSpec) -> Engine:
-    """Blocking: build the engine for one version (the manager runs this on a worker thread)."""
+def load_engine(spec: VersionSpec, *, stream_relays: int = 0, send_timeout: float = 30.0) -> Engine:
+    """Blocking: build the engine for one version (the manager runs this on a worker thread). An engine
+    in its own process gets `stream_relays` relays writing its streams (deadline: `send_timeout`)."""
     artifact = Path(spec.artifact)
     if not artifact.is_dir():
         raise FileNotFoundError(f"artifact {artifact} is not a directory")
@@ -82,7 +83,9 @@ def load_engine(spec: VersionSpec) -> Engine:
         if engine_in_own_process(kwargs.get("device"), torch_cuda_available()):
             from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
 
-            return AsyncLLMProcess(str(artifact), **kwargs)
+            return AsyncLLMProcess(
+                str(artifact), stream_relays=stream_relays, send_timeout=send_timeout, **kwargs
+            )
         from modelfleet.dataplane import AsyncLLM
 
         return AsyncLLM(str(artifact), **kwargs)

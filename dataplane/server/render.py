@@ -104,15 +104,30 @@ class Renderer:
         `chunk(event, tokenizer).model_dump_json()`. Where this request's chunks carry only text, they
         come from a template and the choice keeps only its token count and finish reason (a streamed
         answer is sent as it comes, never rendered whole)."""
-        templates, index = self._templates, event.index
-        if index not in templates:
-            templates[index] = ChunkTemplate.of(lambda text, reason: self._plain_chunk(index, text, reason))
-        template = templates[index]
+        template = self.plain_template(event.index)
         if template is None:
             self.add(event)
             return self.chunk(event, tokenizer).model_dump_json()
         self._count(event)
         return template.fill(event.new_text, event.finish_reason)
+
+    def plain_template(self, index: int) -> ChunkTemplate | None:
+        """The template of choice `index`'s chunks, or None where they carry more than text."""
+        templates = self._templates
+        if index not in templates:
+            templates[index] = ChunkTemplate.of(lambda text, reason: self._plain_chunk(index, text, reason))
+        return templates[index]
+
+    def count_written(self, index: int, num_tokens: int, finish_reason: str | None) -> _Choice:
+        """Counts tokens and the finish reason on choice `index`: an event's, or those a stream relay
+        wrote without their passing here."""
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice()
+        choice.num_tokens += num_tokens
+        if finish_reason:
+            choice.finish_reason = finish_reason
+        return choice
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
         raise NotImplementedError
@@ -127,13 +142,7 @@ class Renderer:
 
     def _count(self, event: ChoiceEvent) -> _Choice:
         """The event's tokens and finish reason, on its choice: all that a templated stream keeps."""
-        choice = self.choices.get(event.index)
-        if choice is None:
-            choice = self.choices[event.index] = _Choice()
-        choice.num_tokens += len(event.new_token_ids)
-        if event.finish_reason:
-            choice.finish_reason = event.finish_reason
-        return choice
+        return self.count_written(event.index, len(event.new_token_ids), event.finish_reason)
 
     @property
     def completion_tokens(self) -> int:

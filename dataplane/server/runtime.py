@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,9 +28,16 @@ def build_dataplane(
     settings: ServerSettings,
     *,
     tracer: Tracer | None = None,
-    loader: Loader = loading.load_engine,
+    loader: Loader | None = None,
     estimate_bytes: SizeEstimator = loading.estimate_engine_bytes,
 ) -> DataPlane:
+    """The data plane; `loader` defaults to loading.load_engine with the settings' stream relays."""
+    if loader is None:
+        loader = functools.partial(
+            loading.load_engine,
+            stream_relays=settings.stream_relays,
+            send_timeout=settings.send_timeout_seconds,
+        )
     holder: list[DataPlane] = []
     metrics = ServerMetrics(engines=lambda: holder[0].loaded_engines() if holder else ())
     manager = ModelManager(
@@ -57,7 +65,7 @@ def build_app(
     *,
     manifest_path: Path | None = None,
     tracer: Tracer | None = None,
-    loader: Loader = loading.load_engine,
+    loader: Loader | None = None,
     estimate_bytes: SizeEstimator = loading.estimate_engine_bytes,
 ) -> FastAPI:
     """The app; the manifest is applied (and preloads start) when the app starts up."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from modelfleet.dataplane.engine.engine_process import _apply
+from modelfleet.dataplane.engine.engine_process import OutputRoutes, _apply
 from modelfleet.dataplane.engine.messages import Abort, Add, Close, Outputs, Refused
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
+from modelfleet.dataplane.engine.stream_relay import RelayRows
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 
@@ -36,12 +37,62 @@ class Pipe:
 
 def test_the_engine_process_dispatches_each_command_on_its_type():
     engine, pipe = RecordingEngine(), Pipe()
+    routes = OutputRoutes(pipe, [])
     params = SamplingParams(max_tokens=2)
-    assert _apply(Add("a", [1, 2], 3, ([1, 2], params)), pipe, engine)
-    assert _apply(Add("bad", [1], 0, ([1], params)), pipe, engine)
-    assert _apply(Abort("a"), pipe, engine)
+    assert _apply(Add("a", [1, 2], 3, ([1, 2], params)), routes, engine)
+    assert _apply(Add("bad", [1], 0, ([1], params)), routes, engine)
+    assert _apply(Abort("a"), routes, engine)
     assert engine.added == [("a", [1, 2], 3)]
     refused, aborted = pipe.sent
     assert refused == Refused("bad", "prompt: too long")
     assert isinstance(aborted, Outputs) and aborted.outputs[0].finish_reason == "abort"
-    assert not _apply(Close(), pipe, engine)  # the loop ends
+    assert not _apply(Close(), routes, engine)  # the loop ends
+
+
+def output(request_id: str, text: str, finished: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id, [], text, [7], text, [7], finish_reason="stop" if finished else None, finished=finished
+    )
+
+
+class DeadPipe:
+    def send(self, message: object) -> None:
+        raise BrokenPipeError
+
+
+def test_a_relayed_request_sends_its_first_output_to_the_server_and_the_rest_to_its_relay():
+    server, relay = Pipe(), Pipe()
+    routes = OutputRoutes(server, [relay])
+    routes.add("r", 1)
+    routes.add("s", 0)  # the server's own
+    for step in (
+        [output("r", " a"), output("s", " x")],
+        [output("r", " b"), output("s", " y", finished=True)],
+        [output("r", " c", finished=True)],
+    ):
+        routes.send(step, RecordingEngine().stats())
+    assert [[o.new_text for o in m.outputs] for m in server.sent] == [[" a", " x"], [" y"], []]
+    assert all(isinstance(m, Outputs) for m in server.sent)  # with the stats every step
+    rows = [row for message in relay.sent for row in message.rows]
+    assert all(isinstance(m, RelayRows) for m in relay.sent)
+    assert rows == [("r", " b", [7], None, False, None), ("r", " c", [7], "stop", True, None)]
+    routes.send([output("r", " d")], RecordingEngine().stats())  # over: a new id's output is the server's
+    assert server.sent[-1].outputs[0].new_text == " d"
+
+
+def test_a_request_that_ends_at_its_first_output_never_reaches_its_relay():
+    server, relay = Pipe(), Pipe()
+    routes = OutputRoutes(server, [relay])
+    routes.add("r", 1)
+    routes.send([output("r", " a", finished=True)], RecordingEngine().stats())
+    routes.send([output("r", " again")], RecordingEngine().stats())
+    assert relay.sent == [] and len(server.sent) == 2
+
+
+def test_a_dead_relay_loses_its_rows_and_the_engine_goes_on():
+    server = Pipe()
+    routes = OutputRoutes(server, [DeadPipe()])
+    routes.add("r", 1)
+    for text in (" a", " b", " c"):
+        routes.send([output("r", text)], RecordingEngine().stats())
+    assert [m.outputs[0].new_text for m in server.sent if m.outputs] == [" a"]

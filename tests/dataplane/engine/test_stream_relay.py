@@ -1,0 +1,194 @@
+"""A stream relay process on its own: rows from an "engine" pipe, handoffs from a "server" pipe, and the
+bytes it writes to a socket pair standing in for a client's connection."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import socket
+import time
+from collections.abc import Iterator
+from multiprocessing.reduction import send_handle
+
+import pytest
+from modelfleet.dataplane.engine.stream_relay import (
+    Drop,
+    Forwarded,
+    Handoff,
+    RelayDone,
+    RelayRows,
+    chunk_bytes,
+    run_relay,
+)
+
+TEMPLATE = ('{"id":"cmpl-1","choices":[{"index":0,"text":', ',"finish_reason":', "}]}")
+
+
+class Relay:
+    def __init__(self, send_timeout: float = 30.0) -> None:
+        context = multiprocessing.get_context("spawn")
+        from_engine, self.engine = context.Pipe(duplex=False)
+        self.server, relay_end = context.Pipe()
+        self.process = context.Process(target=run_relay, args=(from_engine, relay_end, send_timeout))
+        self.process.start()
+        from_engine.close()
+        relay_end.close()
+
+    def rows(self, *rows) -> None:
+        self.engine.send(RelayRows(list(rows)))
+
+    def hand_off(self, request_id: str, sock: socket.socket, last_output_at: float = 0.0) -> None:
+        self.server.send(Handoff(request_id, TEMPLATE, last_output_at))
+        send_handle(self.server, sock.fileno(), self.process.pid)
+
+    def reply(self, timeout: float = 20.0):
+        assert self.server.poll(timeout), "the relay said nothing"
+        return self.server.recv()
+
+    def stop(self) -> None:
+        self.engine.close()
+        self.server.close()
+        self.process.join(timeout=10)
+
+
+@pytest.fixture
+def relay() -> Iterator[Relay]:
+    r = Relay()
+    yield r
+    r.stop()
+
+
+def client_pair() -> tuple[socket.socket, socket.socket]:
+    """(the server's side, the client's side) of one connection; the server's side non-blocking, as
+    an event loop's sockets are."""
+    server_side, client_side = socket.socketpair()
+    server_side.setblocking(False)
+    return server_side, client_side
+
+
+def read_events(sock: socket.socket, count: int) -> list[dict]:
+    """`count` chunked SSE events from the client's side."""
+    sock.settimeout(20)
+    data, events = b"", []
+    while len(events) < count:
+        size_line, sep, rest = data.partition(b"\r\n")
+        if sep and len(rest) >= int(size_line, 16) + 2:
+            size = int(size_line, 16)
+            event, data = rest[:size], rest[size + 2 :]
+            assert event.startswith(b"data: ") and event.endswith(b"\n\n"), event
+            events.append(json.loads(event[6:]))
+            continue
+        data += sock.recv(65536)
+    return events
+
+
+def row(text: str, tokens: list[int], finished: bool = False, reason: str | None = None, error=None):
+    return ("r1", text, tokens, reason, finished, error)
+
+
+def test_a_chunk_is_an_sse_event_in_chunked_framing():
+    data = chunk_bytes(TEMPLATE, 'say "hi"\n', None)
+    size, _, rest = data.partition(b"\r\n")
+    event = b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"say \\"hi\\"\\n","finish_reason":null}]}\n\n'
+    assert int(size, 16) == len(event) and rest == event + b"\r\n"
+    assert json.loads(event[6:])["choices"][0]["text"] == 'say "hi"\n'
+
+
+def test_rows_before_the_handoff_wait_then_everything_is_written_in_order(relay):
+    server_side, client_side = client_pair()
+    server_took_first = time.monotonic() - 0.5
+    relay.rows(row(" a", [5]), row(" b", [6, 7]))
+    time.sleep(0.2)
+    assert not relay.server.poll(0.1)  # nothing written, nothing said: no socket yet
+    relay.hand_off("r1", server_side, last_output_at=server_took_first)
+    relay.rows(row(" c", [8], finished=True, reason="length"))
+    events = read_events(client_side, 3)
+    assert [e["choices"][0]["text"] for e in events] == [" a", " b", " c"]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, "length"]
+    done = relay.reply()
+    assert isinstance(done, RelayDone) and (done.request_id, done.finish_reason) == ("r1", "length")
+    assert [count for count, _ in done.counts] == [1, 2, 1] and not done.client_gone
+    # Gaps per token, timed at arrival: the first from the server's output (half a second before).
+    assert (
+        done.counts[0][1] >= 0.5
+        and done.counts[1][1] < 0.2
+        and all(gap is not None and gap >= 0 for _, gap in done.counts)
+    )
+    # The relay closed its copy of the descriptor only: the connection is still the server's.
+    server_side.send(b"0\r\n\r\n")
+    assert client_side.recv(16) == b"0\r\n\r\n"
+
+
+def test_an_error_row_is_reported_not_written(relay):
+    server_side, client_side = client_pair()
+    relay.hand_off("r1", server_side)
+    relay.rows(row(" a", [5]), row("", [], finished=True, reason="error", error="boom"))
+    assert read_events(client_side, 1)[0]["choices"][0]["text"] == " a"
+    done = relay.reply()
+    assert (done.finish_reason, done.error) == ("error", "boom")
+    client_side.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        client_side.recv(1)  # nothing after the one chunk: the server writes the error event
+
+
+def test_a_stream_taken_back_is_forwarded(relay):
+    relay.rows(row(" a", [5]))
+    relay.server.send(Handoff("r1", None))
+    relay.rows(row(" b", [6], finished=True, reason="stop"))
+    forwarded = []
+    while len(forwarded) < 2:
+        message = relay.reply()
+        assert isinstance(message, Forwarded)
+        forwarded += message.rows
+    assert [(r[1], r[2], r[4]) for r in forwarded] == [(" a", [5], False), (" b", [6], True)]
+
+
+def test_a_dropped_stream_writes_nothing_more(relay):
+    server_side, client_side = client_pair()
+    relay.hand_off("r1", server_side)
+    relay.rows(row(" a", [5]))
+    assert len(read_events(client_side, 1)) == 1
+    relay.server.send(Drop("r1"))
+    time.sleep(0.3)  # rows and drops come on two pipes: rows the engine sent before the drop may be written
+    relay.rows(row(" b", [6]), row("", [], finished=True, reason="abort"))
+    client_side.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        client_side.recv(1)
+    assert not relay.server.poll(0.2)
+
+
+def test_a_client_gone_is_reported(relay):
+    server_side, client_side = client_pair()
+    relay.hand_off("r1", server_side)
+    relay.rows(row(" a", [5]))
+    read_events(client_side, 1)
+    client_side.close()
+    relay.rows(row(" b", [6]))
+    relay.rows(row(" c", [7]))
+    done = relay.reply()
+    assert isinstance(done, RelayDone) and done.client_gone
+
+
+def test_a_client_that_stops_reading_loses_its_stream_after_the_send_deadline():
+    relay = Relay(send_timeout=0.5)
+    try:
+        server_side, client_side = client_pair()
+        server_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        client_side.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        relay.hand_off("r1", server_side)
+        text = "x" * 2000
+        relay.rows(*[row(text, [i]) for i in range(200)])  # far more than the buffers hold
+        started = time.monotonic()
+        done = relay.reply(timeout=10)
+        assert isinstance(done, RelayDone) and done.client_gone
+        assert 0.4 <= time.monotonic() - started < 5
+    finally:
+        relay.stop()
+
+
+def test_the_relay_exits_when_the_engine_is_gone():
+    relay = Relay()
+    relay.engine.close()
+    relay.process.join(timeout=10)
+    assert relay.process.exitcode == 0
+    relay.server.close()
