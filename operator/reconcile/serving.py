@@ -139,6 +139,8 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
     env.append({"name": "MODELFLEET_PEERS_DNS", "value": peers_dns(im)})
     if settings.dataplane_grpc_port:
         env.append({"name": "MODELFLEET_GRPC_PORT", "value": str(settings.dataplane_grpc_port)})
+    if hardware(spec.hardware.accelerator).resource_name:  # a GPU pod: engines in processes of their own
+        env.append({"name": "MODELFLEET_STREAM_RELAYS", "value": str(settings.dataplane_stream_relays)})
     return env
 
 
