@@ -217,9 +217,65 @@ class QuantizedLinear(nn.Module):
 # ---- CUDA: weight-only int8 matmul in Triton (int8 weights converted to bf16/fp16 in registers) ----
 # torch has no fast weight-only int8 GEMM on CUDA; reading int8 instead of bf16 halves the bytes that
 # bound decode, so the kernel streams the int8 weight once and scales each output channel at the end.
+#
+# Autotuned once per (bucket of M, N, K). Up to INT8_SMALL_M_BUCKET rows (decode batches) the tiles are
+# short in M and the weight is the dot's right operand. From 128 rows on (large decode batches, prefill)
+# the matmul is compute-bound, so the candidates are Hopper-sized tiles in two orders: the weight on the
+# right, or on the left (y.T = W @ x.T). On the left, Triton's wgmma takes the converted weight tile from
+# registers ("RS"), after a pipelined copy of the int8 bytes into shared memory; on the right, the
+# converted tile must be written back to shared memory every step before the MMA can read it.
+# Programs go in groups of GROUP_M row tiles, so that a wave shares its weight and x tiles in L2.
+
+INT8_SMALL_M_BUCKET = 64
+_INT8_M_BUCKETS = (16, 64, 128, 256, 512)  # then 1024: every larger M (prefill chunks)
 
 _KERNEL: list = []  # [kernel or None], built on first use
 _FP8_ROWS_KERNEL: list = []
+
+
+def int8_m_bucket(m: int) -> int:
+    """The autotune key's M: one tuning per bucket, never one per batch size."""
+    return next((b for b in _INT8_M_BUCKETS if m <= b), 1024)
+
+
+# BLOCK_M 16: (BLOCK_N, BLOCK_K, num_warps, num_stages)
+_INT8_SMALL_M_TILES = ((32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 4, 5), (128, 128, 4, 4), (128, 64, 8, 4))
+
+
+def _int8_configs(triton) -> list:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, WEIGHT_LHS) candidates; see int8_configs_for."""
+    small_m = [(16, bn, bk, w, st, False) for bn, bk, w, st in _INT8_SMALL_M_TILES]
+    large_m = [
+        (64, 64, 128, 4, 4, False),
+        (64, 128, 64, 4, 4, False),
+        (128, 128, 64, 8, 3, False),
+        (128, 256, 64, 8, 3, False),
+        # the weight on the left: BLOCK_N is the wgmma's M (a multiple of 64 per warpgroup); the
+        # narrower tiles keep all SMs busy when M is a few hundred rows and N is 4096
+        (32, 128, 128, 4, 4, True),
+        (64, 64, 128, 4, 4, True),
+        (64, 128, 128, 4, 4, True),
+        (128, 128, 64, 8, 4, True),
+        (128, 128, 128, 8, 3, True),
+        (128, 256, 64, 8, 3, True),
+        (256, 128, 64, 8, 3, True),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "WEIGHT_LHS": lhs},
+            num_warps=w,
+            num_stages=st,
+        )
+        for bm, bn, bk, w, st, lhs in small_m + large_m
+    ]
+
+
+def int8_configs_for(configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner's candidates for one M bucket: small buckets keep every weight-on-the-right config
+    (what they have always been tuned over); from 128 rows on, the weight on the left or tiles of 64+ rows."""
+    if named_args["M_BUCKET"] <= INT8_SMALL_M_BUCKET:
+        return [c for c in configs if not c.kwargs["WEIGHT_LHS"]]
+    return [c for c in configs if c.kwargs["WEIGHT_LHS"] or c.kwargs["BLOCK_M"] >= 64]
 
 
 def _triton_int8_kernel():
@@ -232,43 +288,57 @@ def _triton_int8_kernel():
         _KERNEL.append(None)
         return None
 
-    small_m = ((32, 256, 4, 4), (64, 256, 4, 4), (64, 128, 4, 5), (128, 128, 4, 4), (128, 64, 8, 4))
-    configs = [
-        triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bn, bk, w, st in small_m
-    ] + [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bm, bn, bk, w, st in (
-            (64, 64, 128, 4, 4),
-            (64, 128, 64, 4, 4),
-            (128, 128, 64, 8, 3),
-            (128, 256, 64, 8, 3),
-        )
-    ]
-
-    @triton.autotune(configs=configs, key=["M_BUCKET", "N", "K"])
-    @triton.jit
-    def kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_ym,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    @triton.autotune(
+        configs=_int8_configs(triton),
+        key=["M_BUCKET", "N", "K"],
+        prune_configs_by={"early_config_prune": int8_configs_for},
+    )
+    @triton.jit  # named: a profile of an int8 model lists this kernel per linear layer
+    def int8_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, M_BUCKET, stride_xm, stride_wn, stride_ym,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, WEIGHT_LHS: tl.constexpr):  # fmt: skip
+        # Grouped order: GROUP_M row tiles share each column of weight tiles while it is in L2.
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // tiles_in_group) * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % tiles_in_group) % group_rows
+        pid_n = (pid % tiles_in_group) // group_rows
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            x = tl.load(
-                x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                mask=(rm[:, None] < M) & (kk[None, :] < K),
-                other=0.0,
-            )
-            w = tl.load(  # [BLOCK_K, BLOCK_N] view of the [N, K] weight
-                w_ptr + rn[None, :] * stride_wn + kk[:, None],
-                mask=(rn[None, :] < N) & (kk[:, None] < K),
-                other=0,
-            )
-            acc += tl.dot(x, w.to(x.dtype))
+        if WEIGHT_LHS:  # constexpr: each config compiles one order; both end in acc [BLOCK_M, BLOCK_N]
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                w = tl.load(
+                    w_ptr + rn[:, None] * stride_wn + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K),
+                    other=0,
+                )
+                x = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0,
+                )
+                acc_t += tl.dot(w.to(x.dtype), tl.trans(x))  # y.T tile = W tile @ x tile.T
+            acc = tl.trans(acc_t)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                x = tl.load(
+                    x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0,
+                )
+                w = tl.load(  # [BLOCK_K, BLOCK_N] view of the [N, K] weight
+                    w_ptr + rn[None, :] * stride_wn + kk[:, None],
+                    mask=(rn[None, :] < N) & (kk[:, None] < K),
+                    other=0,
+                )
+                acc += tl.dot(x, w.to(x.dtype))
         scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
         acc = acc * scale[None, :]
         tl.store(
@@ -277,27 +347,31 @@ def _triton_int8_kernel():
             mask=(rm[:, None] < M) & (rn[None, :] < N),
         )
 
-    _KERNEL.append(kernel)
-    return kernel
+    _KERNEL.append(int8_matmul_kernel)
+    return int8_matmul_kernel
+
+
+def int8_matmul_grid(m: int, n: int):
+    """The launch grid for a config's meta-parameters: one program per output tile."""
+
+    def grid(meta):
+        tiles_m = (m + meta["BLOCK_M"] - 1) // meta["BLOCK_M"]
+        return (tiles_m * ((n + meta["BLOCK_N"] - 1) // meta["BLOCK_N"]),)
+
+    return grid
 
 
 def int8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y [M, N] = x [M, K] @ (weight [N, K] int8 * scale [N]).T on CUDA, in x's dtype."""
-    import triton
-
     kernel = _triton_int8_kernel()
     x = x.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    # A few tuned configs per weight shape: lone decodes, decode batches, chunks of prefill.
-    m_bucket = next((b for b in (16, 64, 256) if m <= b), 1024)
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
-
-    kernel[grid](x, weight, scale, y, m, n, k, m_bucket, x.stride(0), weight.stride(0), y.stride(0))
+    kernel[int8_matmul_grid(m, n)](
+        x, weight, scale, y, m, n, k, int8_m_bucket(m), x.stride(0), weight.stride(0), y.stride(0)
+    )
     return y
 
 
