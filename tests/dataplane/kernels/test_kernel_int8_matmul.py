@@ -2,6 +2,8 @@
 autotune config on its own, the autotuned path at serving batch sizes, and which configs each M bucket
 is tuned over.
 
+Configs are also compiled for an H100 (sm_90) without one: each must compile, and the IR shows where
+the converted weight tile goes.
 The kernel cases run on a GPU, or on the CPU under Triton's interpreter: the last test here runs them
 that way in a pytest of its own (the interpreter must be on before triton.jit runs; its autotuner needs a
 GPU, so the interpreter cases launch each config's kernel directly)."""
@@ -9,6 +11,7 @@ GPU, so the interpreter cases launch each config's kernel directly)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +94,51 @@ def test_small_buckets_keep_their_configs_and_large_ones_get_hopper_tiles():
         # with the weight on the left, BLOCK_N is the wgmma's M: 64 rows per warpgroup
         assert all(bn % (64 * (w // 4)) == 0 for _, bn, _, w, _ in lhs)
     assert all(c.kwargs["GROUP_M"] == 8 for c in kernel.configs)
+
+
+def compile_for_hopper(config):
+    """The kernel compiled for an H100 (sm_90) with one config; compiling needs no GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "y_ptr": "*bf16"}
+    ints = ("M", "N", "K", "M_BUCKET", "stride_xm", "stride_wn", "stride_ym")
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(config.kwargs, "constexpr")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 5, 6, 8, 9, 10)}  # all but M, M_BUCKET
+    source = ASTSource(int8_kernel().fn, signature=signature, constexprs=dict(config.kwargs), attrs=aligned)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def hopper_ttgir(weight_lhs: bool) -> str:
+    """The TritonGPU IR at 128x128x64 tiles, the weight on the left or on the right."""
+    (config,) = [
+        c
+        for c in int8_kernel().configs
+        if tile(c)[:3] == (128, 128, 64) and c.kwargs["WEIGHT_LHS"] == weight_lhs
+    ]
+    return compile_for_hopper(config).asm["ttgir"]
+
+
+def test_every_config_compiles_for_an_h100_within_its_shared_memory():
+    """The autotuner skips a config that runs out of resources, but any other compile error would stop
+    the first matmul of its M bucket: every candidate compiles for sm_90 and fits an H100's 227 KiB."""
+    for config in int8_kernel().configs:
+        compiled = compile_for_hopper(config)
+        assert 0 < compiled.metadata.shared <= 227 * 1024, (config, compiled.metadata.shared)
+
+
+def test_the_weight_on_the_left_reaches_wgmma_from_registers():
+    """Why the large-M configs put the weight on the left: there the converted int8 tile is wgmma's
+    register operand (its bytes copied asynchronously into shared memory first); on the right, each K
+    step writes the converted tile back to shared memory for the MMA to read."""
+    register_a = re.compile(r"ttng\.warp_group_dot .*: tensor<128x\d+xbf16, #ttg\.dot_op<\{opIdx = 0")
+    stored_from_registers = re.compile(r"ttg\.local_alloc %\S+ : \(tensor<\d+x\d+xbf16")
+    left, right = hopper_ttgir(weight_lhs=True), hopper_ttgir(weight_lhs=False)
+    assert register_a.search(left) and not stored_from_registers.search(left)
+    assert "async_copy_global_to_local" in left  # the int8 bytes are pipelined
+    assert stored_from_registers.search(right) and not register_a.search(right)
 
 
 def launch_config(config, x, weight, scale):
