@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelfleet.dataplane.config import EngineConfig, check_prefill_fits
+from modelfleet.dataplane.config import PREFILL_WAIT_STEPS, EngineConfig, check_prefill_fits
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
 from modelfleet.dataplane.engine.host_kv import HostTier
@@ -179,6 +179,7 @@ class LLMEngine(PromptChecks):
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_speculative_tokens=num_speculative_tokens,
+            prefill_wait_steps=self._prefill_wait_steps(config),
         )
         self.speculator: Speculator | None = None
         if speculates:
@@ -333,6 +334,13 @@ class LLMEngine(PromptChecks):
         if seq is None or state is None:
             return None
         return self._take_output(state)
+
+    def _prefill_wait_steps(self, config: EngineConfig) -> int:
+        """The scheduler's hold on waiting requests: the configured one, or by default
+        PREFILL_WAIT_STEPS where decode steps replay CUDA graphs (else holding gains nothing)."""
+        if config.prefill_wait_steps is not None:
+            return config.prefill_wait_steps
+        return PREFILL_WAIT_STEPS if getattr(self.runner, "decode_graphs", None) is not None else 0
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)

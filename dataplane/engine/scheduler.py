@@ -7,6 +7,9 @@ sequences go first, in priority order (lower value first, then first come first 
 cache runs out, the last of them (lowest priority, newest) is preempted: its blocks are freed and it is
 recomputed later from its tokens. Waiting requests are admitted in the same order while budget, sequence
 slots and blocks last; a waiting request that finds no blocks preempts running ones of lower priority.
+With `prefill_wait_steps`, a step of pure decodes admits no waiting request until one has waited that
+many steps: requests that arrive one by one then join together, and the steps between stay pure
+decodes (which the model runner replays as CUDA graphs) instead of each running eagerly.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         num_speculative_tokens: int = 0,
+        prefill_wait_steps: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.prefill_wait_steps = prefill_wait_steps
+        self._held_steps = 0  # pure-decode steps planned while requests waited
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -103,6 +109,9 @@ class Scheduler:
             budget -= num_new + lookahead
             i += 1
 
+        if self._hold_waiting(out):
+            return out
+
         # Waiting requests, unless this step already had to free blocks.
         w = 0  # the first waiting request not passed over (its blocks are loading from the host tier)
         while (
@@ -136,6 +145,21 @@ class Scheduler:
             budget -= num_new
 
         return out
+
+    def _hold_waiting(self, out: SchedulerOutput) -> bool:
+        """Whether this step, so far pure decodes, leaves the waiting requests for a later one (at most
+        prefill_wait_steps in a row). A step with prompt tokens in it already admits them."""
+        if not self.prefill_wait_steps or not self.waiting:
+            self._held_steps = 0
+            return False
+        pure_decodes = bool(out.scheduled) and all(
+            s.num_new_tokens == 1 and not s.num_lookahead for s in out.scheduled
+        )
+        if pure_decodes and self._held_steps < self.prefill_wait_steps:
+            self._held_steps += 1
+            return True
+        self._held_steps = 0
+        return False
 
     def _lookahead(self, seq: Sequence, num_new: int, budget: int) -> int:
         """Draft slots for a decode of a sequence that speculates: at most num_speculative_tokens,

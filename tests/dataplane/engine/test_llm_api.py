@@ -217,6 +217,21 @@ def test_engine_config_refuses_bad_settings(tiny_model_dir, tmp_path):
         LLM(tiny_model_dir, no_such_setting=1)
     with pytest.raises(ValueError, match=r"^max_model_len:"):
         LLM(tiny_model_dir, max_model_len=10**6)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"^prefill_wait_steps:"):
+            EngineConfig(model=str(tiny_model_dir), prefill_wait_steps=bad)
+
+
+def test_waiting_requests_are_held_by_default_only_where_decodes_replay_cuda_graphs(tiny_model_dir):
+    settings = dict(max_model_len=128, kv_cache_bytes=1 << 21, dtype="float32", device="cpu")
+    assert LLM(tiny_model_dir, **settings).engine.scheduler.prefill_wait_steps == 0  # no graphs on the CPU
+    held = LLM(tiny_model_dir, prefill_wait_steps=3, **settings)
+    assert held.engine.scheduler.prefill_wait_steps == 3
+    # Held or not, greedy answers are the same: holding changes when a request starts, not what it says.
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["once upon a time", "the cat", "a b c d e"]
+    plain = LLM(tiny_model_dir, **settings).generate(prompts, params)
+    assert [o.token_ids for o in held.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
 def test_kv_cache_is_sized_from_the_byte_budget_and_logged(tiny_model_dir, caplog):

@@ -288,3 +288,40 @@ def test_without_chunked_prefill_a_prompt_exactly_the_budget_is_admitted():
     sched = make_scheduler(budget=8, chunked=False)
     add(sched, "a", 8)
     assert plan(step(sched)) == [("a", 0, 8)]
+
+
+def held_scheduler(wait_steps: int) -> Scheduler:
+    sched = make_scheduler()
+    sched.prefill_wait_steps = wait_steps
+    return sched
+
+
+def test_requests_arriving_one_by_one_are_held_and_admitted_together():
+    sched = held_scheduler(3)
+    add(sched, "a", 5)
+    assert plan(step(sched)) == [("a", 0, 5)]  # nothing running: admitted at once
+    add(sched, "b", 3, first=100)
+    assert plan(step(sched)) == [("a", 5, 1)]  # held: the step stays pure decodes
+    add(sched, "c", 2, first=200)
+    assert plan(step(sched)) == [("a", 6, 1)]
+    assert plan(step(sched)) == [("a", 7, 1)]
+    # The third held step was the last: both join the next one together.
+    assert plan(step(sched)) == [("a", 8, 1), ("b", 0, 3), ("c", 0, 2)]
+    assert plan(step(sched)) == [("a", 9, 1), ("b", 3, 1), ("c", 2, 1)]
+
+
+def test_a_step_with_prompt_tokens_admits_waiting_requests_at_once():
+    sched = held_scheduler(4)
+    sched.max_num_batched_tokens = 6
+    add(sched, "a", 10)  # a prompt longer than the budget: chunked over two steps
+    assert plan(step(sched)) == [("a", 0, 6)]
+    add(sched, "b", 1, first=100)
+    assert plan(step(sched)) == [("a", 6, 4), ("b", 0, 1)]  # not pure decodes: nothing to keep
+
+
+def test_without_a_wait_every_step_admits():
+    sched = held_scheduler(0)
+    add(sched, "a", 5)
+    step(sched)
+    add(sched, "b", 3, first=100)
+    assert plan(step(sched)) == [("a", 5, 1), ("b", 0, 3)]
