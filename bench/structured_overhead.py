@@ -45,6 +45,7 @@ model repeats one string); xgrammar's threads share it (MODELFLEET_GRAMMAR_THREA
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -54,7 +55,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from serve import LONG_SCHEMA
+from serve import SCHEMAS, with_bpe_tokenizer
+
+MODES = ("plain", "json_schema_serial", "json_schema")
 
 
 class PartTimer:
@@ -93,25 +96,32 @@ class PartTimer:
 
 
 def install(timer: PartTimer) -> None:
-    """structured: the sampler's grammar call and any accept_token outside it; within it, wait: reading
-    back the previous step's tokens (the device's time, not the host's), accept: the matchers'
-    accept_token, fill: xgrammar's bitmask fill, mask: queuing (on a GPU) or running (on the CPU) the
-    masking, the padded ids' included."""
+    """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and `finish`)
+    and any accept_token outside them; within them, wait: reading back the previous step's tokens (the
+    device's time, not the host's), accept: the matchers' accept_token, fill_wait: finish's wait for a
+    fill still running on the worker thread, mask: queuing (on a GPU) or running (on the CPU) the
+    masking, the padded ids' included. fill: xgrammar's bitmask fill, on whichever thread runs it (the
+    worker's, unless serial). process: LLMEngine._process, the previous step's tokens into outputs (the
+    work a fill on the worker overlaps)."""
+    from concurrent.futures import Future
+
     import xgrammar
     from modelfleet.dataplane.engine import structured
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
     from modelfleet.dataplane.engine.sampler import SampledBatch
 
+    LLMEngine._process = timer.wrap(LLMEngine._process, "process")
     masks = structured.GrammarMasks
-    masks.apply = timer.wrap(masks.apply, "structured")
+    masks.begin = timer.wrap(masks.begin, "structured")
+    masks.finish = timer.wrap(masks.finish, "structured")
     matcher = xgrammar.GrammarMatcher
     matcher.accept_token = timer.wrap(timer.wrap(matcher.accept_token, "accept"), "structured")
     SampledBatch.host_token_ids = timer.wrap(SampledBatch.host_token_ids, "wait", within="structured")
+    Future.result = timer.wrap(Future.result, "fill_wait", within="structured")
     batch = xgrammar.BatchGrammarMatcher
     batch.batch_fill_next_token_bitmask = timer.wrap(batch.batch_fill_next_token_bitmask, "fill")
     xgrammar.apply_token_bitmask_inplace = timer.wrap(xgrammar.apply_token_bitmask_inplace, "mask")
-    padding = getattr(structured, "_PaddingMask", None)  # absent before the padded ids were split off
-    if padding is not None:
-        padding.apply = timer.wrap(padding.apply, "mask")
+    structured._PaddingMask.apply = timer.wrap(structured._PaddingMask.apply, "mask")
 
 
 def padded_demo_model(out_dir: Path, vocab_size: int, tokenizer_vocab: int | None = None) -> Path:
@@ -140,10 +150,13 @@ def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
     from modelfleet.dataplane.sampling_params import SamplingParams
 
     max_tokens = args.warmup + args.steps + 8
+    sampler = engine.runner.sampler
+    # Serial: the fill on the engine thread, as before it overlapped the previous step's processing.
+    sampler.begin = functools.partial(type(sampler).begin, sampler, overlap=mode != "json_schema_serial")
     if mode == "plain":
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
     else:
-        structured = ("json_schema", json.dumps(LONG_SCHEMA))
+        structured = ("json_schema", json.dumps(SCHEMAS[args.schema]))
         params = SamplingParams(
             max_tokens=max_tokens, temperature=0.0, structured=structured, output_kind="delta"
         )
@@ -167,8 +180,11 @@ def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
         engine.step()
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         parts = timer.take()
-        # The host's own structured time: the grammar call less its wait for the device's tokens.
-        parts["structured_host"] = parts["structured"] - parts["wait"]
+        # The host's own structured time: the grammar calls less their waits for the device's tokens
+        # and for the fill on the worker (its share still on the engine thread's path is fill_wait).
+        parts["structured_host"] = parts["structured"] - parts["wait"] - parts["fill_wait"]
+        # The fill's time off the engine thread's path (none when serial).
+        parts["fill_hidden"] = parts["fill"] - parts["fill_wait"] if mode == "json_schema" else 0.0
         samples.append({"step_wall": wall, "step_cpu": cpu, **parts})
     assert len(engine.scheduler.running) == args.num_seqs, "a sequence finished early"
     for i in range(args.num_seqs):
@@ -188,6 +204,7 @@ def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
         "mode": mode,
         "device": args.device,
         "model_vocab": vocab,
+        "schema": args.schema,
         "num_seqs": args.num_seqs,
         "steps": args.steps,
         **medians,
@@ -208,11 +225,28 @@ def main() -> int:
         help="instead of --model: the tiny demo's layers, its tokenizer padded to this many ids (128256: "
         "bench/throughput.py's presets with the demo tokenizer)",
     )
+    parser.add_argument(
+        "--bpe",
+        action="store_true",
+        help="with --vocab: a byte-level BPE tokenizer of about that many ids instead (bench/serve.py's "
+        "--structured presets; trained once, in a -bpe sibling of the model's folder)",
+    )
+    parser.add_argument("--schema", choices=sorted(SCHEMAS), default="long", help="bench/serve.py's schemas")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="json_schema_serial: the grammar fill on the engine thread, not overlapping the processing "
+        "of the step before",
+    )
     args = parser.parse_args()
     if args.model is not None and args.vocab is not None:
         parser.error("--model and --vocab are alternatives")
+    if args.bpe and args.vocab is None:
+        parser.error("--bpe needs --vocab")
 
     from modelfleet.dataplane.demo import create_demo_model
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
@@ -223,6 +257,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab is not None:
             model_dir = padded_demo_model(Path(tmp) / f"padded-{args.vocab}", args.vocab)
+            if args.bpe:
+                model_dir = with_bpe_tokenizer(model_dir)
         else:
             model_dir = args.model or create_demo_model(Path(tmp) / "tiny", size="tiny")
         engine = LLMEngine.from_kwargs(
@@ -234,7 +270,7 @@ def main() -> int:
             max_model_len=1024,
         )
         vocab = engine.model_config.vocab_size
-        for mode in ("plain", "json_schema"):
+        for mode in args.modes:
             print(json.dumps(run_mode(engine, timer, mode, args, vocab)), flush=True)
         engine.close()
     return 0

@@ -370,6 +370,11 @@ class LLMEngine(PromptChecks):
             launched = (scheduled, self.runner.launch(scheduled))
         if self._launched is not None:
             outputs += self._process(*self._launched)
+        # A step whose sampling waits on a grammar's fill (on a worker thread while the tokens above
+        # were processed) queues it now; if that fails, the step is dropped and the error raised.
+        self._launched = None
+        if launched is not None:
+            launched[1].finish()
         self._launched = launched
         return outputs
 

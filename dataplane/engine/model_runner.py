@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,14 +55,30 @@ class StepResult:
 
 
 class LaunchedStep:
-    """A step queued on the device; `result()` waits for its sampled tokens (once)."""
+    """A step queued on the device; `result()` waits for its sampled tokens (once). `pending`: the end of
+    its sampling, left for `finish()` while a grammar's bitmask fills on a worker thread."""
 
-    def __init__(self, num_seqs: int, sampling_rows: list[int], sampled: SampledBatch | None) -> None:
+    def __init__(
+        self,
+        num_seqs: int,
+        sampling_rows: list[int],
+        sampled: SampledBatch | None,
+        pending: Callable[[], SampledBatch] | None = None,
+    ) -> None:
         self.num_seqs = num_seqs
         self.sampling_rows = sampling_rows
         self.sampled = sampled
+        self._pending = pending
+
+    def finish(self) -> None:
+        """Queues the end of the step's sampling, if launch left it pending (raising the grammar fill's
+        error); the caller does its host work in between. Before the next step is launched."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.sampled = pending()
 
     def result(self) -> StepResult:
+        self.finish()
         num_seqs = self.num_seqs
         if self.sampled is None:
             return StepResult([None] * num_seqs, [None] * num_seqs, [None] * num_seqs)
@@ -389,11 +406,21 @@ class ModelRunner:
         # The fused sampler reads the model dtype's logits once; the torch sampler converts them itself.
         logits = self.model.compute_logits(last_hidden, float32=not sampler.fused)
         seqs = [scheduled[i].seq for i in sampling_rows]
-        sampled = sampler.sample(logits, seqs)
-        self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)
+        # With constrained rows, the sampling ends in LaunchedStep.finish: the engine processes the
+        # previous step's tokens while their grammars' bitmask fills.
+        pending = sampler.begin(logits, seqs)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
-        return LaunchedStep(num_seqs, sampling_rows, sampled)
+
+        @torch.inference_mode()
+        def finish() -> SampledBatch:
+            sampled = pending.finish()
+            self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)
+            return sampled
+
+        if pending.begun_masks is None:
+            return LaunchedStep(num_seqs, sampling_rows, finish())
+        return LaunchedStep(num_seqs, sampling_rows, None, finish)
 
 
 def _flat_input_ids(scheduled: list, cu_query: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:

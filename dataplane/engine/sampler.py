@@ -7,12 +7,13 @@ fails that request alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from modelfleet.dataplane.engine.sequence import Sequence
-from modelfleet.dataplane.engine.structured import GrammarMasks, fill_threads
+from modelfleet.dataplane.engine.structured import BegunMasks, GrammarMasks, fill_threads
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 # On the device, per row: the chosen token's log-probability, the top-N values and their ids.
@@ -79,6 +80,29 @@ def _to_pinned_host(tensor: torch.Tensor) -> torch.Tensor:
     return host.copy_(tensor, non_blocking=True)
 
 
+class PendingSample:
+    """A step's sampling begun by `Sampler.begin`: `finish()` queues the rest (once) and gives its batch,
+    the sampler's latest from then on."""
+
+    def __init__(
+        self, sampler: Sampler, rest: Callable[[], SampledBatch], begun_masks: BegunMasks | None
+    ) -> None:
+        self.begun_masks = begun_masks
+        self._sampler = sampler
+        self._rest: Callable[[], SampledBatch] | None = rest
+        self._batch: SampledBatch | None = None
+
+    @torch.inference_mode()
+    def finish(self) -> SampledBatch:
+        """Waits for the grammar fill (raising its error), then queues the masking and the sampling."""
+        if self._rest is not None:
+            self._batch = self._rest()
+            self._rest = None
+            self._sampler._previous = self._batch
+        assert self._batch is not None
+        return self._batch
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, *, fused: bool | None = None) -> None:
         self.device = device
@@ -102,14 +126,32 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         """Queues the sampling of one token per row (no wait on the device). logits: [N, vocab], any
         float dtype (the torch path computes in float32)."""
+        return self.begin(logits, seqs, overlap=False).finish()
+
+    @torch.inference_mode()
+    def begin(self, logits: torch.Tensor, seqs: list[Sequence], *, overlap: bool = True) -> PendingSample:
+        """`sample` in two halves. With constrained rows, this queues what needs no grammar mask and
+        begins the masks (the matchers follow the previous batch's tokens, then their bitmask fills on a
+        worker thread if `overlap`); `PendingSample.finish()` queues the rest. Without, the sampling is
+        queued here. Between the two the caller may do its own host work, but none that adds or drops
+        rows or changes their parameters: what finish reads of a row (its parameters, grammar, generator,
+        and its count of tokens sampled, on the host or in flight) must stay as it was."""
         params = [s.params for s in seqs]
-        constrained = any(s.grammar is not None for s in seqs)
         # A constrained row whose sampling needs only a temperature is one for the fused sampler once masked.
         if self.fused and all(s.temperature_only for s in seqs):
-            if constrained:
-                logits = self._apply_grammars(logits, seqs)
-            self._previous = self._sample_fused(logits, seqs, params)
-            return self._previous
+            masks = self._begin_grammars(logits, seqs, overlap)
+            pending = PendingSample(
+                self, lambda: self._sample_fused(self._mask(logits, masks), seqs, params), masks
+            )
+        else:
+            pending = self._begin_torch(logits, seqs, params, overlap)
+        if pending.begun_masks is None:
+            pending.finish()  # nothing to wait for
+        return pending
+
+    def _begin_torch(
+        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], overlap: bool
+    ) -> PendingSample:
         logits = logits.float()
         # A NaN row fails its request alone; its logits are zeroed so that the others compute as usual.
         # Whether any row is bad is read back together with the tokens: one transfer per step.
@@ -124,21 +166,31 @@ class Sampler:
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
-        if constrained:
-            logits = self._apply_grammars(logits, seqs)
+        masks = self._begin_grammars(logits, seqs, overlap)
 
-        greedy = [p.greedy for p in params]
-        token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, seqs, greedy)
-        logprobs = None
-        if num_logprobs is not None:
-            logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
-        self._previous = SampledBatch(token_ids, bad_rows, logprobs, params)
-        return self._previous
+        def finish() -> SampledBatch:
+            masked = self._mask(logits, masks)
+            greedy = [p.greedy for p in params]
+            token_ids = masked.argmax(dim=-1) if all(greedy) else self._sample(masked, seqs, greedy)
+            logprobs = None
+            if num_logprobs is not None:
+                logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
+            return SampledBatch(token_ids, bad_rows, logprobs, params)
 
-    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        return PendingSample(self, finish, masks)
+
+    def _begin_grammars(self, logits: torch.Tensor, seqs: list[Sequence], overlap: bool) -> BegunMasks | None:
+        if all(s.grammar is None for s in seqs):
+            return None
         if self._grammar_masks is None:
             self._grammar_masks = GrammarMasks(self._fill_threads)
-        return self._grammar_masks.apply(logits, seqs, self._previous)
+        return self._grammar_masks.begin(logits, seqs, self._previous, background=overlap)
+
+    def _mask(self, logits: torch.Tensor, masks: BegunMasks | None) -> torch.Tensor:
+        if masks is None:
+            return logits
+        assert self._grammar_masks is not None  # made by _begin_grammars
+        return self._grammar_masks.finish(masks, logits)
 
     def _sample_fused(
         self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]

@@ -9,11 +9,13 @@ Where the work happens:
 - `Grammars.compile`, on a worker thread: the grammar's token masks over the whole vocabulary (the
   slow part) are built there, once per schema (cached), while the engine thread keeps stepping the
   other requests; a request joins the scheduler once its grammar is ready.
-- `GrammarMasks.apply`, in the sampler, once per step for all constrained rows: each matcher first
-  accepts the tokens sampled since it last masked (the previous step's token is read back from that
-  step alone, so the engine keeps launching a step before reading the one before: the forward of step
-  n+1 runs on the device while the host waits for step n's tokens and fills n+1's masks); then one
-  batched fill of a reused bitmask, one copy of it to the device and one masking kernel.
+- `GrammarMasks.begin` and `finish`, in the sampler, once per step for all constrained rows: each
+  matcher first accepts the tokens sampled since it last masked (the previous step's token is read
+  back from that step alone, so the engine keeps launching a step before reading the one before: the
+  forward of step n+1 runs on the device while the host waits for step n's tokens and fills n+1's
+  masks); then one batched fill of a reused bitmask, on a worker thread while the engine thread
+  processes step n's tokens (LLMEngine.step: the fill is off the host's path of a step, as far as
+  that work lasts); then (finish) one copy of it to the device and one masking kernel.
 
 Strings of bounded length (maxLength) are compiled as one rule per character written rather than as
 xgrammar's counted repetition (`bounded_strings_as_chains`): the same language and masks, but masks
@@ -289,16 +291,33 @@ def fill_threads() -> int | str:
     return int(value)
 
 
+@dataclasses.dataclass
+class BegunMasks:
+    """One step's masks begun (GrammarMasks.begin): the rows' matchers follow their tokens, and their
+    bitmask rows fill in the host buffer, on the worker thread while `fill` runs."""
+
+    rows: list[int]
+    vocab: GrammarVocab
+    num_rows: int
+    fill: Future[None] | None  # None: filled already
+
+
 class GrammarMasks:
     """A sampler's grammar work for each step, for all its constrained rows at once (see the module's
     docstring). The bitmask lives in one host buffer (pinned for a device) reused every step, and its
-    device copy in one device buffer; an event guards the host buffer until its copy has run."""
+    device copy in one device buffer; an event guards the host buffer until its copy has run.
+
+    The work comes in two halves so that the engine thread can do other work while the fill runs:
+    `begin` (the accepts, then the fill started on a worker thread: xgrammar's fill holds no GIL) and
+    `finish` (the wait for the fill, the copy and the masking); `apply` is both at once."""
 
     def __init__(self, threads: int | str = "auto") -> None:
         xgrammar = _xgrammar()
         self._xgrammar = xgrammar
         # xgrammar's pool, which fills the rows of one step in parallel (threads: see fill_threads).
         self._filler = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        # The thread that calls the filler while the engine thread goes on (one fill at a time).
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelfleet-grammar-fill")
         self._host: torch.Tensor | None = None
         self._device: torch.Tensor | None = None
         self._copied: Any = None  # a CUDA event once a copy was queued
@@ -309,23 +328,59 @@ class GrammarMasks:
     ) -> torch.Tensor:
         """Masks, in place, each constrained row's logits to what its grammar allows next. `previous`:
         the sampler's batch before this one, which holds any token still in flight of these rows."""
+        begun = self.begin(logits, seqs, previous, background=False)
+        return logits if begun is None else self.finish(begun, logits)
+
+    def begin(
+        self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledBatch | None, *, background: bool
+    ) -> BegunMasks | None:
+        """Brings the matchers up to date (this waits for `previous`'s tokens), then fills their bitmask:
+        on the worker thread if `background` (returned once the worker holds the fill), else here. None
+        where no row is constrained any more. `logits` are read for their shape and device only."""
         # A terminated matcher (it has accepted its end) has no next token to allow; its sequence is
         # ending, and this row's token is dropped.
         live = [(i, g) for i, g in _follow_tokens(seqs, previous) if not g.matcher.is_terminated()]
         if not live:
-            return logits
+            return None
         rows = [i for i, _ in live]
         vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
         num_rows, width = logits.shape
         if width != vocab.model_size:
             raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
         host = self._host_buffer(num_rows, vocab.size, logits.device)
-        self._filler.batch_fill_next_token_bitmask([g.matcher for _, g in live], host, indices=rows)
+        matchers = [g.matcher for _, g in live]
+        if not background:
+            self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
+            return BegunMasks(rows, vocab, num_rows, None)
+        return BegunMasks(rows, vocab, num_rows, self._fill_on_worker(matchers, host, rows))
+
+    def _fill_on_worker(self, matchers: list[Any], host: torch.Tensor, rows: list[int]) -> Future[None]:
+        started = threading.Event()
+
+        def fill() -> None:
+            started.set()
+            self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
+
+        future = self._worker.submit(fill)
+        # Waiting (without the GIL) until the worker runs hands it the GIL at once; else it would wait
+        # for the engine thread's Python to give it up (the interpreter's 5 ms switch interval), and
+        # start too late to overlap anything. It keeps the GIL only until the fill releases it.
+        started.wait()
+        return future
+
+    def finish(self, begun: BegunMasks, logits: torch.Tensor) -> torch.Tensor:
+        """Waits for the fill (raising its error, if any), then masks `logits` in place: one copy of the
+        bitmask to the device and one masking kernel (and the padded ids')."""
+        if begun.fill is not None:
+            begun.fill.result()
+        rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
+        assert self._host is not None  # made by begin
+        host = self._host[:num_rows]
         logits = logits.contiguous()
-        bitmask = host[:num_rows]
+        bitmask = host
         if logits.device.type != "cpu":
             assert self._device is not None  # made with the pinned host buffer
-            bitmask = self._device[:num_rows].copy_(bitmask, non_blocking=True)
+            bitmask = self._device[:num_rows].copy_(host, non_blocking=True)
             self._copied.record()
         # Every row constrained (the usual batch of one schema): no indices to send along.
         indices = None if len(rows) == num_rows else rows
@@ -334,7 +389,7 @@ class GrammarMasks:
         if vocab.padded:
             if self._padding is None or self._padding.vocab != vocab or self._padding.device != logits.device:
                 self._padding = _PaddingMask(vocab, logits.device)
-            self._padding.apply(logits, bitmask, host[:num_rows], indices)
+            self._padding.apply(logits, bitmask, host, indices)
         return logits
 
     def _host_buffer(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:

@@ -153,17 +153,17 @@ def test_abort_frees_blocks_at_once_and_others_go_on(llm):
 
 def test_nan_logits_fail_only_that_request(llm, monkeypatch):
     sampler = llm.engine.runner.sampler
-    original = type(sampler).sample
+    original = type(sampler).begin
 
-    def poisoned(self, logits, seqs):
+    def poisoned(self, logits, seqs, **kwargs):
         logits = logits.clone()
         for i, seq in enumerate(seqs):
             # The token being sampled is the last of those in flight: poison the third.
             if seq.request_id == "poisoned" and seq.num_output_tokens + seq.num_inflight == 3:
                 logits[i, 0] = float("nan")
-        return original(self, logits, seqs)
+        return original(self, logits, seqs, **kwargs)
 
-    monkeypatch.setattr(type(sampler), "sample", poisoned)
+    monkeypatch.setattr(type(sampler), "begin", poisoned)
     llm.add_request("poisoned", [7, 8, 9], SamplingParams(max_tokens=8, **GREEDY))
     llm.add_request("healthy", [7, 8, 9], SamplingParams(max_tokens=8, **GREEDY))
     outputs = run_until_done(llm)

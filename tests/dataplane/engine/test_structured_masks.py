@@ -1,11 +1,18 @@
 """The sampler's grammar masks follow each row's tokens themselves, a token still in flight included, so
 constrained requests keep the engine's overlap (step n+1 launched before step n's tokens are read)
 without changing a token: every output token is one its grammar allowed at that point, and the tokens
-equal those of the same batch run with each step's tokens read before the next is launched."""
+equal those of the same batch run with each step's tokens read before the next is launched.
+
+The masks' bitmask fills on a worker thread while the engine thread processes the previous step's
+tokens (Sampler.begin, then LaunchedStep.finish): the same tokens as with the fill on the engine thread
+(Sampler.begin(overlap=False)), and an error inside the fill fails the step as it did there."""
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -72,7 +79,12 @@ def check_overlap_and_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
         if out.finish_reason == "stop":
             json.loads(out.text)  # a complete answer is valid JSON
 
-    # The same batch with each step's tokens on the host before the next launch: the same tokens.
+    # The same batch with the fill on the engine thread, then also with each step's tokens on the host
+    # before the next launch: the same tokens.
+    sampler = llm.engine.runner.sampler
+    monkeypatch.setattr(sampler, "begin", functools.partial(sampler.begin, overlap=False))
+    serial = llm.generate(prompts, params)
+    assert [o.token_ids for o in serial] == [o.token_ids for o in overlapped]
     monkeypatch.setattr(llm_engine, "_needs_host_tokens", lambda scheduled: True)
     synced = llm.generate(prompts, params)
     assert [o.token_ids for o in synced] == [o.token_ids for o in overlapped]
@@ -123,3 +135,77 @@ def test_the_fill_threads_come_from_the_environment(monkeypatch):
         monkeypatch.setenv(FILL_THREADS_ENV, bad)
         with pytest.raises(ValueError, match=f"^{FILL_THREADS_ENV}: '{bad}' must be 'auto'"):
             fill_threads()
+
+
+def slow_fills(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[tuple[str, float, float]]:
+    """Every bitmask fill takes `seconds` more (a sleep: no GIL held, as xgrammar's fill holds none);
+    returns (thread name, start, end) of each."""
+    fills: list[tuple[str, float, float]] = []
+    begin = GrammarMasks.begin
+
+    def slow_begin(self, *args, **kwargs):
+        filler = self._filler
+        if not isinstance(filler, SlowFiller):
+            self._filler = SlowFiller(filler, seconds, fills)
+        return begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(GrammarMasks, "begin", slow_begin)
+    return fills
+
+
+class SlowFiller:
+    def __init__(self, filler, seconds: float, fills: list) -> None:
+        self.filler, self.seconds, self.fills = filler, seconds, fills
+        self.error: Exception | None = None
+
+    def batch_fill_next_token_bitmask(self, *args, **kwargs):
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        if self.error is not None:
+            raise self.error
+        self.filler.batch_fill_next_token_bitmask(*args, **kwargs)
+        self.fills.append((threading.current_thread().name, start, time.monotonic()))
+
+
+def test_the_previous_step_is_processed_while_the_fill_runs(llm, monkeypatch):
+    fills = slow_fills(monkeypatch, 0.02)
+    processed: list[tuple[float, float]] = []
+    engine = llm.engine
+    process = engine._process
+
+    def timed_process(*args):
+        start = time.monotonic()
+        outputs = process(*args)
+        processed.append((start, time.monotonic()))
+        return outputs
+
+    monkeypatch.setattr(engine, "_process", timed_process)
+    structured = ("json_schema", SCHEMA)
+    llm.generate(["one", "two two"], SamplingParams(max_tokens=24, temperature=0.0, structured=structured))
+    assert len(fills) > 10
+    assert {name for name, _, _ in fills} == {"modelfleet-grammar-fill_0"}
+    # Each fill but the first step's (no step before it) runs beside a whole _process of the step before.
+    overlapped = sum(any(f0 <= p0 and p1 <= f1 for p0, p1 in processed) for _, f0, f1 in fills)
+    assert overlapped >= len(fills) - 2
+
+
+def test_an_error_inside_the_fill_fails_the_step(llm, monkeypatch):
+    fills = slow_fills(monkeypatch, 0.0)
+    engine = llm.engine
+    structured = ("json_schema", SCHEMA)
+    engine.add_request("a", "one", SamplingParams(max_tokens=30, temperature=0.0, structured=structured))
+    while len(fills) < 3:
+        engine.step()
+    engine.runner.sampler._grammar_masks._filler.error = RuntimeError("the fill broke")
+    with pytest.raises(RuntimeError, match=r"^the fill broke$"):
+        engine.step()
+    assert engine._launched is None  # the failed step is dropped, not processed later
+    # As the engine process does after a failed step: every request aborted, then the engine serves on.
+    engine.abort("a")
+    engine.runner.sampler._grammar_masks._filler.error = None
+    engine.add_request("b", "two", SamplingParams(max_tokens=30, temperature=0.0, structured=structured))
+    outputs = []
+    while engine.has_unfinished_requests() or engine._launched is not None:
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].error is None
+    assert allowed_throughout(llm, structured, outputs[-1].token_ids)
