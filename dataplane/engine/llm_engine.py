@@ -367,16 +367,25 @@ class LLMEngine(PromptChecks):
             if self.speculator is not None:
                 # Synchronous: see the module's docstring.
                 return outputs + self._process(scheduled, self.speculator.run(scheduled.scheduled))
+            self._finish_launched()
             launched = (scheduled, self.runner.launch(scheduled))
         if self._launched is not None:
             outputs += self._process(*self._launched)
-        # A step whose sampling waits on a grammar's fill (on a worker thread while the tokens above
-        # were processed) queues it now; if that fails, the step is dropped and the error raised.
-        self._launched = None
-        if launched is not None:
-            launched[1].finish()
         self._launched = launched
         return outputs
+
+    def _finish_launched(self) -> None:
+        """Queues the sampling of the step launched last if it waits on its grammars' bitmask fill, which
+        has run on a worker thread since that launch, beside the engine thread's processing of the step
+        before, the outputs' return and this step's planning. If the fill failed, that step is dropped
+        and its error raised."""
+        if self._launched is None:
+            return
+        try:
+            self._launched[1].finish()
+        except BaseException:
+            self._launched = None
+            raise
 
     def _process(
         self, scheduled: SchedulerOutput, launched: LaunchedStep | VerifiedStep

@@ -71,11 +71,11 @@ class LaunchedStep:
         self._pending = pending
 
     def finish(self) -> None:
-        """Queues the end of the step's sampling, if launch left it pending (raising the grammar fill's
-        error); the caller does its host work in between. Before the next step is launched."""
+        """Queues the end of the step's sampling, if launch left it pending: before the next step is
+        launched. Raises the grammar fill's error (again on each call: a failed step gives no tokens)."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.sampled = pending()
+            self.sampled = self._pending()
+            self._pending = None
 
     def result(self) -> StepResult:
         self.finish()
@@ -406,8 +406,8 @@ class ModelRunner:
         # The fused sampler reads the model dtype's logits once; the torch sampler converts them itself.
         logits = self.model.compute_logits(last_hidden, float32=not sampler.fused)
         seqs = [scheduled[i].seq for i in sampling_rows]
-        # With constrained rows, the sampling ends in LaunchedStep.finish: the engine processes the
-        # previous step's tokens while their grammars' bitmask fills.
+        # With constrained rows, the sampling ends in LaunchedStep.finish: the engine does its other host
+        # work while their grammars' bitmask fills (LLMEngine.step).
         pending = sampler.begin(logits, seqs)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
@@ -418,7 +418,7 @@ class ModelRunner:
             self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)
             return sampled
 
-        if pending.begun_masks is None:
+        if pending.done:
             return LaunchedStep(num_seqs, sampling_rows, finish())
         return LaunchedStep(num_seqs, sampling_rows, None, finish)
 

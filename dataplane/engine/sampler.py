@@ -92,6 +92,11 @@ class PendingSample:
         self._rest: Callable[[], SampledBatch] | None = rest
         self._batch: SampledBatch | None = None
 
+    @property
+    def done(self) -> bool:
+        """Whether the sampling is queued (finish has run)."""
+        return self._rest is None
+
     @torch.inference_mode()
     def finish(self) -> SampledBatch:
         """Waits for the grammar fill (raising its error), then queues the masking and the sampling."""
@@ -130,23 +135,24 @@ class Sampler:
 
     @torch.inference_mode()
     def begin(self, logits: torch.Tensor, seqs: list[Sequence], *, overlap: bool = True) -> PendingSample:
-        """`sample` in two halves. With constrained rows, this queues what needs no grammar mask and
-        begins the masks (the matchers follow the previous batch's tokens, then their bitmask fills on a
-        worker thread if `overlap`); `PendingSample.finish()` queues the rest. Without, the sampling is
-        queued here. Between the two the caller may do its own host work, but none that adds or drops
-        rows or changes their parameters: what finish reads of a row (its parameters, grammar, generator,
-        and its count of tokens sampled, on the host or in flight) must stay as it was."""
+        """`sample` in two halves. With constrained rows and `overlap`, this queues what needs no grammar
+        mask and begins the masks (the matchers follow the previous batch's tokens, then their bitmask
+        fills on a worker thread); `PendingSample.finish()` queues the rest. Otherwise the whole sampling
+        is queued here. Between the two the caller may do its own host work (process the step before,
+        plan the next), but none that adds or drops rows or changes their parameters: finish reads
+        nothing else of a row (its grammar, its generator: both used only here)."""
         params = [s.params for s in seqs]
         # A constrained row whose sampling needs only a temperature is one for the fused sampler once masked.
         if self.fused and all(s.temperature_only for s in seqs):
             masks = self._begin_grammars(logits, seqs, overlap)
+            inputs = self._fused_inputs(seqs, params, logits.device)
             pending = PendingSample(
-                self, lambda: self._sample_fused(self._mask(logits, masks), seqs, params), masks
+                self, lambda: self._sample_fused(self._mask(logits, masks), params, inputs), masks
             )
         else:
             pending = self._begin_torch(logits, seqs, params, overlap)
-        if pending.begun_masks is None:
-            pending.finish()  # nothing to wait for
+        if pending.begun_masks is None or not overlap:
+            pending.finish()
         return pending
 
     def _begin_torch(
@@ -192,25 +198,30 @@ class Sampler:
         assert self._grammar_masks is not None  # made by _begin_grammars
         return self._grammar_masks.finish(masks, logits)
 
-    def _sample_fused(
-        self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]
-    ) -> SampledBatch:
-        """Greedy and temperature rows in one pass over the logits (Gumbel-max with counter-based noise).
-        A request with a seed draws from (its seed, the index of the token): batch-independent."""
-        from modelfleet.dataplane.kernels.sampling import sample_tokens
-
+    def _fused_inputs(
+        self, seqs: list[Sequence], params: list[SamplingParams], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused sampler's temperatures and seeds, on the device. Read when the sampling begins: a
+        seed's token index counts the row's tokens in flight, which the next step's planning raises."""
         seeds = self._seeds.integers(1, 1 << 62, size=len(seqs))
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 index = seq.num_output_tokens + seq.num_inflight
                 seeds[i] = hash((seq.params.seed, index)) & ((1 << 62) - 1)
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-        device = logits.device
-        token_ids, bad_rows = sample_tokens(
-            logits,
+        return (
             temperature.to(device, non_blocking=True),
             torch.from_numpy(seeds).to(device, non_blocking=True),
         )
+
+    def _sample_fused(
+        self, logits: torch.Tensor, params: list[SamplingParams], inputs: tuple[torch.Tensor, torch.Tensor]
+    ) -> SampledBatch:
+        """Greedy and temperature rows in one pass over the logits (Gumbel-max with counter-based noise).
+        A request with a seed draws from (its seed, the index of the token): batch-independent."""
+        from modelfleet.dataplane.kernels.sampling import sample_tokens
+
+        token_ids, bad_rows = sample_tokens(logits, *inputs)
         return SampledBatch(token_ids, bad_rows, None, params)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:

@@ -4,8 +4,9 @@ without changing a token: every output token is one its grammar allowed at that 
 equal those of the same batch run with each step's tokens read before the next is launched.
 
 The masks' bitmask fills on a worker thread while the engine thread processes the previous step's
-tokens (Sampler.begin, then LaunchedStep.finish): the same tokens as with the fill on the engine thread
-(Sampler.begin(overlap=False)), and an error inside the fill fails the step as it did there."""
+tokens and plans the next step (Sampler.begin, then LaunchedStep.finish before the next launch): the
+same tokens as with the fill on the engine thread (Sampler.begin(overlap=False)), and an error inside
+the fill fails a step."""
 
 from __future__ import annotations
 
@@ -102,15 +103,22 @@ def test_on_the_gpu_constrained_rows_are_masked_then_fused(tiny_model_dir, monke
     sampler = llm.engine.runner.sampler
     assert sampler.fused, "Triton is expected wherever a CUDA GPU is"
     fused_rows: list[int] = []
-    sample_fused = sampler._sample_fused
+    sample_fused, fused_inputs = sampler._sample_fused, sampler._fused_inputs
 
-    def counted(logits, seqs, params):
+    def counted(seqs, params, device):
         fused_rows.extend(1 for s in seqs if s.grammar is not None)
-        return sample_fused(logits, seqs, params)
+        return fused_inputs(seqs, params, device)
 
-    monkeypatch.setattr(sampler, "_sample_fused", counted)
+    monkeypatch.setattr(sampler, "_fused_inputs", counted)
+    sampled_fused: list[int] = []
+
+    def sampled(logits, params, inputs):
+        sampled_fused.append(len(params))
+        return sample_fused(logits, params, inputs)
+
+    monkeypatch.setattr(sampler, "_sample_fused", sampled)
     check_overlap_and_tokens(llm, monkeypatch)
-    assert fused_rows
+    assert fused_rows and sampled_fused
     assert sampler._grammar_masks._host.is_pinned()
 
 
@@ -197,8 +205,11 @@ def test_an_error_inside_the_fill_fails_the_step(llm, monkeypatch):
     while len(fills) < 3:
         engine.step()
     engine.runner.sampler._grammar_masks._filler.error = RuntimeError("the fill broke")
+    # A step whose fill fails raises when its sampling is queued, before the next launch: the step
+    # launched last (if its fill had not begun) or the next.
     with pytest.raises(RuntimeError, match=r"^the fill broke$"):
-        engine.step()
+        for _ in range(2):
+            engine.step()
     assert engine._launched is None  # the failed step is dropped, not processed later
     # As the engine process does after a failed step: every request aborted, then the engine serves on.
     engine.abort("a")
@@ -209,3 +220,28 @@ def test_an_error_inside_the_fill_fails_the_step(llm, monkeypatch):
         outputs += engine.step()
     assert outputs[-1].finished and outputs[-1].error is None
     assert allowed_throughout(llm, structured, outputs[-1].token_ids)
+
+
+def test_the_fused_path_keeps_its_seeded_tokens(llm, monkeypatch):
+    """The fused sampler (the GPU's for these rows), its kernel replaced by the torch reference on the
+    CPU: a seeded row's noise follows its token index, read when the sampling begins, before the next
+    step's planning counts another token in flight; the same tokens as the serial fill."""
+    from modelfleet.dataplane.kernels import sampling
+
+    from tests.dataplane.kernels.reference import sample_tokens_native
+
+    monkeypatch.setattr(sampling, "sample_tokens", sample_tokens_native)
+    sampler = llm.engine.runner.sampler
+    monkeypatch.setattr(sampler, "fused", True)
+    structured = ("json_schema", SCHEMA)
+    prompts = ["one", "two two", "three three three"]
+    params = [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured=structured) for s in (1, 2, 3)
+    ]
+    overlapped = llm.generate(prompts, params)
+    monkeypatch.setattr(sampler, "begin", functools.partial(sampler.begin, overlap=False))
+    serial = llm.generate(prompts, params)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in serial]
+    for out in overlapped:
+        assert len(out.token_ids) > 5
+        assert allowed_throughout(llm, structured, out.token_ids)
