@@ -13,9 +13,9 @@ Where the work happens:
   matcher first accepts the tokens sampled since it last masked (the previous step's token is read
   back from that step alone, so the engine keeps launching a step before reading the one before: the
   forward of step n+1 runs on the device while the host waits for step n's tokens and fills n+1's
-  masks); then one batched fill of a reused bitmask, on a worker thread while the engine thread
-  processes step n's tokens (LLMEngine.step: the fill is off the host's path of a step, as far as
-  that work lasts); then (finish) one copy of it to the device and one masking kernel.
+  masks); then one batched fill of a reused bitmask, on a worker thread while the engine thread goes
+  on (it processes step n's tokens, returns the outputs and plans step n+2: LLMEngine.step); then,
+  just before step n+2 is launched (finish), one copy of it to the device and one masking kernel.
 
 Strings of bounded length (maxLength) are compiled as one rule per character written rather than as
 xgrammar's counted repetition (`bounded_strings_as_chains`): the same language and masks, but masks
