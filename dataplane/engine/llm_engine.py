@@ -353,6 +353,7 @@ class LLMEngine(PromptChecks):
         scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         if self.host_tier is not None:  # spills before the step that may overwrite their blocks
             self.host_tier.issue(self.block_manager)
+        self._finish_launched()
         launched = None
         if scheduled is not None and self._launched is not None and _needs_host_tokens(scheduled):
             # Penalties read the sequence's tokens on the host: the previous step's first.
@@ -367,7 +368,6 @@ class LLMEngine(PromptChecks):
             if self.speculator is not None:
                 # Synchronous: see the module's docstring.
                 return outputs + self._process(scheduled, self.speculator.run(scheduled.scheduled))
-            self._finish_launched()
             launched = (scheduled, self.runner.launch(scheduled))
         if self._launched is not None:
             outputs += self._process(*self._launched)
@@ -377,8 +377,8 @@ class LLMEngine(PromptChecks):
     def _finish_launched(self) -> None:
         """Queues the sampling of the step launched last if it waits on its grammars' bitmask fill, which
         has run on a worker thread since that launch, beside the engine thread's processing of the step
-        before, the outputs' return and this step's planning. If the fill failed, that step is dropped
-        and its error raised."""
+        before, the outputs' return and this step's planning; before anything reads its tokens or
+        launches after it. If the fill failed, that step is dropped and its error raised."""
         if self._launched is None:
             return
         try:

@@ -213,8 +213,15 @@ def test_an_error_inside_the_fill_fails_the_step(llm, monkeypatch):
     assert engine._launched is None  # the failed step is dropped, not processed later
     # As the engine process does after a failed step: every request aborted, then the engine serves on.
     engine.abort("a")
-    engine.runner.sampler._grammar_masks._filler.error = None
+    # A failed step with none launched after it (its request aborted meanwhile) raises and is dropped too.
     engine.add_request("b", "two", SamplingParams(max_tokens=30, temperature=0.0, structured=structured))
+    engine.step()  # b's prefill: its fill fails on the worker
+    engine.abort("b")
+    with pytest.raises(RuntimeError, match=r"^the fill broke$"):
+        engine.step()
+    assert engine._launched is None and engine.step() == []
+    engine.runner.sampler._grammar_masks._filler.error = None
+    engine.add_request("c", "two", SamplingParams(max_tokens=30, temperature=0.0, structured=structured))
     outputs = []
     while engine.has_unfinished_requests() or engine._launched is not None:
         outputs += engine.step()
