@@ -8,16 +8,14 @@ float32 -> bf16 by truncation, but the same way in both paths, so they still agr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).parent
+from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
+
 WEIGHTS = ["bf16", "int8", "fp8"]
 # (M, N, K, split_k, reduce_at_end): one row and even K; ragged K and masked rows with per-tile row sums;
 # K split unevenly, more rows than one program takes, a ragged last row block
@@ -329,20 +327,6 @@ INTERPRETER_CASES = [
 
 
 def test_small_fused_cases_pass_under_the_triton_interpreter():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("already under the interpreter (this test starts it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--timeout=240"]
-    proc = subprocess.run(
-        [*cmd, *(f"{Path(__file__)}::{case}" for case in INTERPRETER_CASES)],
-        cwd=HERE.parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    assert_pass_under_the_interpreter(
+        [f"{Path(__file__).name}::{case}" for case in INTERPRETER_CASES], len(INTERPRETER_CASES)
     )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    last = output.splitlines()[-1]
-    assert f"{len(INTERPRETER_CASES)} passed" in last and "skipped" not in last, output[-2000:]

@@ -10,17 +10,15 @@ GPU, so the interpreter cases launch each config's kernel directly)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).parent
+from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
+
 # bf16 activations against a float32 product of the same dequantized weight: the kernel's sums are fp32,
 # so the differences are the bf16 rounding of the output (float32 under the interpreter: exact sums)
 TOL = {"cuda": {"atol": 2e-2, "rtol": 1e-2}, "cpu": {"atol": 1e-4, "rtol": 1e-4}}
@@ -199,24 +197,8 @@ def test_autotuned_matmul_matches_the_dequantized_weight(device, m, n, k):
 
 def test_int8_matmul_cases_pass_under_the_triton_interpreter():
     pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("already under the interpreter (this test starts it)")
     cases = [
         "test_every_config_matches_the_dequantized_weight",
         "test_grouped_tile_order_covers_every_tile_once",
     ]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--timeout=240"]
-    proc = subprocess.run(
-        [*cmd, *(f"{Path(__file__)}::{case}" for case in cases)],
-        cwd=HERE.parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    last = output.splitlines()[-1]
-    assert "18 passed" in last and "skipped" not in last, output[-2000:]
+    assert_pass_under_the_interpreter([f"{Path(__file__).name}::{case}" for case in cases], 18)

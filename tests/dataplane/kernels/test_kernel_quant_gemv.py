@@ -6,16 +6,14 @@ small ones that way in a pytest of its own (the interpreter must be on before tr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).parent
+from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
+
 FORMATS = ["int8", "fp8"]
 # bf16 activations against a float32 product of the same (dequantized) weight: the kernel's sums are fp32,
 # so the differences are the bf16 rounding of x's products and of the output
@@ -189,20 +187,6 @@ INTERPRETER_CASES = [
 
 
 def test_small_quantized_cases_pass_under_the_triton_interpreter():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("already under the interpreter (this test starts it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--timeout=240"]
-    proc = subprocess.run(
-        [*cmd, *(f"{Path(__file__)}::{case}" for case in INTERPRETER_CASES)],
-        cwd=HERE.parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    assert_pass_under_the_interpreter(
+        [f"{Path(__file__).name}::{case}" for case in INTERPRETER_CASES], len(INTERPRETER_CASES)
     )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    last = output.splitlines()[-1]
-    assert f"{len(INTERPRETER_CASES)} passed" in last and "skipped" not in last, output[-2000:]

@@ -10,12 +10,8 @@ for reasons of the interpreter's own. The full matrix runs on a GPU:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
 
-HERE = Path(__file__).parent
 CASES = [
     "test_kernel_small_ops.py::test_rms_norm_matches_reference[False-1-64-dtype2]",
     "test_kernel_small_ops.py::test_rms_norm_matches_reference[True-83-64-dtype2]",
@@ -39,19 +35,4 @@ CASES = [
 def test_small_kernel_cases_pass_under_the_triton_interpreter():
     import triton  # noqa: F401  (a dev dependency: `pip install -e '.[dev]'`)
 
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "--timeout=240"]
-    proc = subprocess.run(
-        [*cmd, *(str(HERE / case) for case in CASES)],
-        cwd=HERE.parents[2],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-4000:]
-    # Every case ran: none skipped (no kernel device) or deselected (a renamed case).
-    assert f"{len(CASES)} passed" in output.splitlines()[-1], output[-2000:]
-    assert "skipped" not in output.splitlines()[-1]
+    assert_pass_under_the_interpreter(CASES, len(CASES))
