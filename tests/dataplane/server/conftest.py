@@ -7,11 +7,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 import pytest
 import uvicorn
 from modelfleet.dataplane.manifest import ServingManifest
+from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.dataplane import DataPlane
 from modelfleet.dataplane.server.runtime import build_app
 from modelfleet.dataplane.server.settings import ServerSettings
@@ -82,6 +85,41 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def one_version_yaml(artifact: Path, version: str = "v1") -> str:
+    """A serving manifest of model `tiny` with one preloaded version taking all traffic."""
+    entry = f'{{name: {version}, weight: 100, artifact: "{artifact}", preload: true}}'
+    return "models:\n" + model_yaml("tiny", entry)
+
+
+@contextmanager
+def engine_process_server(
+    settings: ServerSettings,
+    artifact: Path,
+    *,
+    manifest_path: Path | None = None,
+    server_class: type[LiveServer] = LiveServer,
+) -> Iterator[LiveServer]:
+    """A started, ready server of `one_version_yaml(artifact)` whose loader believes a GPU is present, so
+    that its engine runs in a process of its own (AsyncLLMProcess; the child then picks the CPU itself).
+    With `manifest_path` the manifest is written there and watched."""
+    text = one_version_yaml(artifact)
+    if manifest_path is not None:
+        manifest_path.write_text(text)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "torch_cuda_available", lambda: True)
+        live = server_class(settings, ServingManifest.from_yaml(text), manifest_path=manifest_path).start()
+        try:
+            live.wait_ready()
+            yield live
+        finally:
+            live.stop()
+
+
+def openai_client(live: LiveServer, timeout: float = 60) -> openai.OpenAI:
+    """The official client for `live`'s OpenAI API, without retries: a failure shows at once."""
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=timeout)
 
 
 def manifest_yaml(v1: Path, v2: Path, *, w1: int, w2: int, extra: str = "") -> str:

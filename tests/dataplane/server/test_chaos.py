@@ -19,39 +19,23 @@ from pathlib import Path
 
 import httpx
 import pytest
-from modelfleet.dataplane.manifest import ServingManifest
-from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import TEST_ENGINE
+from .conftest import engine_process_server, one_version_yaml
 from .guarded import GuardedServer
 
 STREAMS = 50
 WALK_AWAY = 8
 
 
-def manifest_text(version: str, artifact: Path) -> str:
-    engine = ", ".join(f"{k}: {v}" for k, v in TEST_ENGINE.items())
-    return (
-        f"models:\n  - name: tiny\n    engine: {{{engine}}}\n    versions:\n"
-        f'      - {{name: {version}, weight: 100, artifact: "{artifact}", preload: true}}\n'
-    )
-
-
 @pytest.fixture()
 def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[GuardedServer]:
-    patch = pytest.MonkeyPatch()
-    patch.setattr(loading, "torch_cuda_available", lambda: True)  # the engine in a child process
-    path = tmp_path / "manifest.yaml"
-    path.write_text(manifest_text("v1", tiny_model_dir))
     settings = ServerSettings(manifest_poll_seconds=0.1, send_timeout_seconds=2, max_tokens_limit=2000)
-    live = GuardedServer(settings, ServingManifest.from_yaml(path.read_text()), manifest_path=path).start()
-    try:
-        live.wait_ready()
+    path = tmp_path / "manifest.yaml"
+    with engine_process_server(
+        settings, tiny_model_dir, manifest_path=path, server_class=GuardedServer
+    ) as live:
         yield live
-    finally:
-        live.stop()
-        patch.undo()
 
 
 class Client(threading.Thread):
@@ -125,7 +109,7 @@ def test_streams_survive_an_engine_kill_a_manifest_change_and_clients_leaving(
     for client in clients[STREAMS // 2 :]:
         client.start()
     time.sleep(0.3)
-    server.manifest_path.write_text(manifest_text("v2", tiny_model_v2_dir))
+    server.manifest_path.write_text(one_version_yaml(tiny_model_v2_dir, "v2"))
     for client in clients:
         client.join(timeout=max(1.0, 45 - (time.monotonic() - started)))
 

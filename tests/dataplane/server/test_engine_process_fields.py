@@ -11,11 +11,9 @@ from pathlib import Path
 import openai
 import pytest
 from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
-from modelfleet.dataplane.manifest import ServingManifest
-from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import LiveServer, model_yaml
+from .conftest import LiveServer, engine_process_server, openai_client
 
 SCHEMA = {
     "type": "object",
@@ -27,19 +25,9 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, openai.OpenAI]]:
-    patch = pytest.MonkeyPatch()
-    patch.setattr(loading, "torch_cuda_available", lambda: True)
-    version = f'{{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}'
-    live = LiveServer(
-        ServerSettings(), ServingManifest.from_yaml("models:\n" + model_yaml("tiny", version))
-    ).start()
-    try:
-        live.wait_ready()
+    with engine_process_server(ServerSettings(), tiny_model_dir) as live:
         assert isinstance(live.engine("tiny", "v1"), AsyncLLMProcess)
-        yield live, openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=60)
-    finally:
-        live.stop()
-        patch.undo()
+        yield live, openai_client(live)
 
 
 def test_structured_output_in_the_engine_process(client):

@@ -12,11 +12,10 @@ import openai
 import pytest
 from modelfleet.dataplane import LLM, SamplingParams
 from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
-from modelfleet.dataplane.manifest import ServingManifest
 from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import TEST_ENGINE, LiveServer, model_yaml
+from .conftest import TEST_ENGINE, LiveServer, engine_process_server, openai_client
 
 
 @pytest.mark.parametrize(
@@ -35,23 +34,14 @@ def test_gpu_engines_get_their_own_process(device, cuda, expected):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    patch = pytest.MonkeyPatch()
-    patch.setattr(loading, "torch_cuda_available", lambda: True)
-    version = f'{{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}'
-    manifest = ServingManifest.from_yaml("models:\n" + model_yaml("tiny", version))
-    live = LiveServer(ServerSettings(), manifest).start()
-    try:
-        live.wait_ready()
+    with engine_process_server(ServerSettings(), tiny_model_dir) as live:
         yield live
-    finally:
-        live.stop()
-        patch.undo()
 
 
 def test_streamed_and_whole_completions_equal_the_engine(server: LiveServer, tiny_model_dir: Path):
     engine = server.engine("tiny", "v1")
     assert isinstance(engine, AsyncLLMProcess) and engine._process.is_alive()
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    client = openai_client(server)
     body = dict(
         model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
     )
@@ -71,7 +61,7 @@ def test_a_crashed_engine_process_is_started_again_by_the_next_request(server: L
     os.kill(engine._process.pid, signal.SIGKILL)
     engine._thread.join(timeout=30)  # its reader has seen the end
     assert engine.failure is not None
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    client = openai_client(server, timeout=120)
     answer = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0)
     assert answer.usage.completion_tokens == 4
     fresh = server.engine("tiny", "v1")

@@ -16,30 +16,15 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from modelfleet.dataplane.manifest import ServingManifest
-from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.settings import ServerSettings
 
-from .conftest import LiveServer, model_yaml
+from .conftest import LiveServer, engine_process_server, openai_client
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path) -> Iterator[LiveServer]:
-    patch = pytest.MonkeyPatch()
-    patch.setattr(loading, "torch_cuda_available", lambda: True)
-    version = f'{{name: v1, weight: 100, artifact: "{tiny_model_dir}", preload: true}}'
-    manifest = ServingManifest.from_yaml("models:\n" + model_yaml("tiny", version))
-    live = LiveServer(ServerSettings(stream_relays=2), manifest).start()
-    try:
-        live.wait_ready()
+    with engine_process_server(ServerSettings(stream_relays=2), tiny_model_dir) as live:
         yield live
-    finally:
-        live.stop()
-        patch.undo()
-
-
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
 
 
 BODY = dict(
@@ -57,10 +42,10 @@ def generated_tokens(server: LiveServer) -> float:
 def test_a_relayed_stream_is_what_the_server_would_write(server: LiveServer):
     engine = server.engine("tiny", "v1")
     assert engine.stream_relays == 2
-    whole = client(server).completions.create(**BODY)
+    whole = openai_client(server).completions.create(**BODY)
     before, tokens_before = engine.streams_handed_off, generated_tokens(server)
     chunks = list(
-        client(server).completions.create(stream=True, stream_options={"include_usage": True}, **BODY)
+        openai_client(server).completions.create(stream=True, stream_options={"include_usage": True}, **BODY)
     )
     assert engine.streams_handed_off == before + 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
@@ -76,9 +61,9 @@ def test_a_relayed_chat_stream_equals_the_whole_answer(server: LiveServer):
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    whole = client(server).chat.completions.create(**body)
+    whole = openai_client(server).chat.completions.create(**body)
     before = engine.streams_handed_off
-    chunks = list(client(server).chat.completions.create(stream=True, **body))
+    chunks = list(openai_client(server).chat.completions.create(stream=True, **body))
     assert engine.streams_handed_off == before + 1
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
@@ -88,8 +73,8 @@ def test_a_relayed_chat_stream_equals_the_whole_answer(server: LiveServer):
 def test_streams_with_more_than_text_stay_with_the_server(server: LiveServer):
     engine = server.engine("tiny", "v1")
     before = engine.streams_handed_off
-    chunks = list(client(server).completions.create(stream=True, logprobs=2, **BODY))
-    two = list(client(server).completions.create(stream=True, n=2, **BODY))
+    chunks = list(openai_client(server).completions.create(stream=True, logprobs=2, **BODY))
+    two = list(openai_client(server).completions.create(stream=True, n=2, **BODY))
     assert engine.streams_handed_off == before  # logprobs and n=2 chunks carry more than a template
     assert all(c.choices[0].logprobs is not None for c in chunks if c.choices and c.choices[0].text)
     assert {c.choices[0].index for c in two if c.choices} == {0, 1}
@@ -117,12 +102,12 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server: LiveServer):
     while running(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert running(server) == 0 and engine.streams_handed_off == before + 1
-    assert client(server).completions.create(**BODY).usage.completion_tokens == 24  # still serving
+    assert openai_client(server).completions.create(**BODY).usage.completion_tokens == 24  # still serving
 
 
 def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(server: LiveServer):
     engine = server.engine("tiny", "v1")
-    stream = client(server).completions.create(stream=True, **{**BODY, "max_tokens": 400})
+    stream = openai_client(server).completions.create(stream=True, **{**BODY, "max_tokens": 400})
     iterator = iter(stream)
     next(iterator)  # the first token's chunk, written by the server; the rest is the relay's
     time.sleep(0.2)
@@ -132,5 +117,5 @@ def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(se
     with pytest.raises(openai.APIError, match="relay"):
         for _ in iterator:
             pass
-    answers = [client(server).completions.create(stream=True, **BODY) for _ in range(3)]
+    answers = [openai_client(server).completions.create(stream=True, **BODY) for _ in range(3)]
     assert all("".join(c.choices[0].text for c in a if c.choices) for a in answers)
