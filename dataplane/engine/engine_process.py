@@ -219,9 +219,15 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             elif isinstance(message, Forwarded):
                 self._deliver_all((row[0], _row_output(row)) for row in message.rows)
         link.alive = False
-        if not self._closed:
+        engine_gone = not self._process.is_alive()  # relays exit with the engine process
+        if not self._closed and not engine_gone:
             logger.error("stream relay %s exited (code %s)", link.process.pid, link.process.exitcode)
-        failed = EngineProcessError("the stream relay writing this answer stopped")
+        reason = (
+            (self.failure or "the engine process stopped")
+            if engine_gone
+            else "the stream relay writing this answer stopped"
+        )
+        failed = EngineProcessError(reason)
         self._deliver_all((request_id, failed) for request_id in list(link.requests))
 
     def _submit(self, command: Command) -> None:

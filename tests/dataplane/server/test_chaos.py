@@ -41,12 +41,13 @@ def server(tiny_model_dir: Path, tmp_path: Path) -> Iterator[GuardedServer]:
 class Client(threading.Thread):
     """One streamed completion; `outcome` says how it ended."""
 
-    def __init__(self, url: str, walk_away: bool, rng: random.Random) -> None:
+    def __init__(self, url: str, walk_away: bool, rng: random.Random, max_tokens: int = 120) -> None:
         super().__init__(daemon=True)
         self.url, self.walk_away = url, walk_away
-        self.max_tokens = rng.randint(20, 120)
+        self.max_tokens = rng.randint(max_tokens // 6, max_tokens)
         self.outcome = "running"
         self.detail = ""
+        self.chunks = 0  # token chunks read so far
 
     def run(self) -> None:
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": self.max_tokens, "stream": True,
@@ -76,6 +77,7 @@ class Client(threading.Thread):
                 self.detail = error["message"]
                 continue
             chunks += 1
+            self.chunks = chunks
             finished = finished or any(c.get("finish_reason") for c in event["choices"])
             if self.walk_away and chunks == 3:
                 return "walked away"
@@ -99,11 +101,22 @@ def test_streams_survive_an_engine_kill_a_manifest_change_and_clients_leaving(
 ):
     rng = random.Random(7)
     leaving = set(rng.sample(range(STREAMS), WALK_AWAY))
-    clients = [Client(server.url, i in leaving, rng) for i in range(STREAMS)]
+    # The first half streams long answers, so that the kill below finds some of them open.
+    clients = [
+        Client(server.url, i in leaving, rng, max_tokens=480 if i < STREAMS // 2 else 120)
+        for i in range(STREAMS)
+    ]
     started = time.monotonic()
     for client in clients[: STREAMS // 2]:
         client.start()
     time.sleep(0.5)
+    open_streams = deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        open_streams = [c for c in clients[: STREAMS // 2] if c.outcome == "running" and c.chunks >= 3]
+        if open_streams:
+            break
+        time.sleep(0.02)
+    assert open_streams, [(c.outcome, c.chunks) for c in clients]
     engine = server.engine("tiny", "v1")
     os.kill(engine._process.pid, signal.SIGKILL)  # mid-stream: every open stream of v1 fails
     for client in clients[STREAMS // 2 :]:
