@@ -90,6 +90,17 @@ def test_speedups_compare_medians_bests_steps_and_device_times(bench):
     assert with_device["speedup_fp8_device"] == 1.5
 
 
+def test_two_tokens_give_rates_without_step_times(bench, tiny_model_dir, capsys):
+    """--output-len 2: the one decode step waits for the prefill's tokens, so no step is timed; the rates
+    and their ratios are still reported (the step ratios are not)."""
+    latency, _ = bench
+    argv = ["--model", str(tiny_model_dir), "--input-len", "8", "--output-len", "2", "--skip-hf"]
+    assert latency.main([*argv, "--quantize", "int8", "--repeats", "2"]) == 0
+    result = json_line(capsys)
+    assert "step_ms_median" not in result["engine"] and "step_ms_median" not in result["engine_int8"]
+    assert result["speedup_int8"] > 0 and "speedup_int8_step" not in result
+
+
 def test_latency_builds_each_engine_once_and_interleaves_its_runs(bench, tiny_model_dir, monkeypatch, capsys):
     latency, _ = bench
     built: list[str] = []
