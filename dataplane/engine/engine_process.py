@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from pathlib import Path
@@ -255,7 +256,12 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
                 self._deliver(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):
                 logger.error("engine step failed: %s", message.message)
-                self._fail_all(RuntimeError(f"engine step failed: {message.message}"))
+                failed = RuntimeError(f"engine step failed: {message.message}")
+                # A relayed stream ends with its relay's report: its socket may still be the relay's.
+                others = (
+                    request_id for request_id in list(self._streams) if request_id not in message.relayed
+                )
+                self._deliver_all((request_id, failed) for request_id in others)
             elif isinstance(message, Fatal):
                 fatal = message.message
         if not self._closed:
@@ -354,8 +360,21 @@ class OutputRoutes:
         if sink and self.to_relays:
             self._first[request_id] = sink
 
-    def send(self, outputs: list[RequestOutput], stats: EngineStats, *, server: bool = True) -> None:
+    def fail(self, aborted: list[RequestOutput], error: str) -> frozenset[str]:
+        """A failed step's aborted requests: those relayed end with `error` at their relays, which write
+        what they hold first (the server, which fails the others, must not write to their sockets).
+        Returns their ids."""
+        relayed = frozenset(output.request_id for output in aborted if output.request_id in self._relayed)
+        failed = [replace(output, finish_reason="error", error=error) for output in aborted]
+        self._route(failed)  # the server's own are dropped: it fails them on StepFailed
+        return relayed
+
+    def send(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         """One step's outputs; the server gets its own with the stats (even none: the stats move)."""
+        self.conn.send(Outputs(self._route(outputs), stats))
+
+    def _route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Sends the relays their rows; returns the server's outputs."""
         mine: list[RequestOutput] = []
         rows: dict[int, list[RelayRow]] = {}
         for output in outputs:
@@ -384,8 +403,7 @@ class OutputRoutes:
                     self.to_relays[relay - 1].send(RelayRows(relay_rows))
                 except (OSError, ValueError):  # the server fails the streams of a relay that died
                     self._dead.add(relay)
-        if server:
-            self.conn.send(Outputs(mine, stats))
+        return mine
 
 
 class _LockedConnection:
@@ -428,10 +446,12 @@ def _serve(conn: _LockedConnection, engine: LLMEngine, routes: OutputRoutes) -> 
             outputs = engine.step()
         except Exception as exc:  # a broken step fails every request in flight, loudly
             logging.getLogger(__name__).exception("engine step failed")
+            message = f"{type(exc).__name__}: {exc}"
             aborted = [engine.abort(request_id) for request_id in list(engine.scheduler.requests)]
-            # The server fails every stream on StepFailed; relays only learn that theirs ended.
-            routes.send([output for output in aborted if output is not None], engine.stats(), server=False)
-            conn.send(StepFailed(f"{type(exc).__name__}: {exc}"))
+            relayed = routes.fail(
+                [output for output in aborted if output is not None], f"engine step failed: {message}"
+            )
+            conn.send(StepFailed(message, relayed))
             if engine.failure is not None:
                 _exit_fatal(conn, engine.failure)
             continue

@@ -85,9 +85,11 @@ class Refused:
 
 @dataclass(frozen=True, slots=True)
 class StepFailed:
-    """A step raised: every request in flight has been aborted."""
+    """A step raised: every request in flight has been aborted. The `relayed` ones end at their stream
+    relays (an error the relay reports once what it holds is written); the server fails the others."""
 
     message: str
+    relayed: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,3 +96,21 @@ def test_a_dead_relay_loses_its_rows_and_the_engine_goes_on():
     for text in (" a", " b", " c"):
         routes.send([output("r", text)], RecordingEngine().stats())
     assert [m.outputs[0].new_text for m in server.sent if m.outputs] == [" a"]
+
+
+def test_a_failed_step_ends_relayed_requests_at_their_relays_with_the_error():
+    server, relay = Pipe(), Pipe()
+    routes = OutputRoutes(server, [relay])
+    for request_id, sink in (("relayed", 1), ("first", 1), ("own", 0)):
+        routes.add(request_id, sink)
+    routes.send([output("relayed", " a")], RecordingEngine().stats())  # its rest goes to the relay
+    aborted = [output(request_id, "", finished=True) for request_id in ("relayed", "first", "own")]
+    assert routes.fail(aborted, "engine step failed: boom") == {"relayed"}
+    # The relay reports an error (after what it holds), not a finished answer; the server gets nothing:
+    # it fails its own streams on StepFailed, and must leave the relayed one's socket to the relay.
+    assert [row for message in relay.sent for row in message.rows] == [
+        ("relayed", "", [7], "error", True, "engine step failed: boom")
+    ]
+    assert len(server.sent) == 1
+    routes.send([output("first", " later")], RecordingEngine().stats())  # over: no longer awaited
+    assert server.sent[-1].outputs[0].new_text == " later" and len(relay.sent) == 1
