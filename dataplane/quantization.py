@@ -218,12 +218,13 @@ class QuantizedLinear(nn.Module):
 # torch has no fast weight-only int8 GEMM on CUDA; reading int8 instead of bf16 halves the bytes that
 # bound decode, so the kernel streams the int8 weight once and scales each output channel at the end.
 #
-# Autotuned once per (bucket of M, N, K). Up to INT8_SMALL_M_BUCKET rows (decode batches) the tiles are
-# short in M and the weight is the dot's right operand. From 128 rows on (large decode batches, prefill)
-# the matmul is compute-bound, so the candidates are Hopper-sized tiles in two orders: the weight on the
-# right, or on the left (y.T = W @ x.T). On the left, Triton's wgmma takes the converted weight tile from
-# registers ("RS"), after a pipelined copy of the int8 bytes into shared memory; on the right, the
-# converted tile must be written back to shared memory every step before the MMA can read it.
+# Autotuned once per (bucket of M, N, K). Up to INT8_SMALL_M_BUCKET rows (decode batches) the candidates
+# are the ones these buckets always had (16-row tiles, and four of 64 or 128 rows), the weight the dot's
+# right operand. From 128 rows on (large decode batches, prefill) the matmul is compute-bound, so the
+# candidates are Hopper-sized tiles in two orders: the weight on the right, or on the left
+# (y.T = W @ x.T). On the left, Triton's wgmma takes the converted weight tile from registers ("RS"),
+# after a pipelined copy of the int8 bytes into shared memory; on the right, the converted tile must be
+# written back to shared memory every step before the MMA can read it.
 # Programs go in groups of GROUP_M row tiles, so that a wave shares its weight and x tiles in L2.
 
 INT8_SMALL_M_BUCKET = 64
