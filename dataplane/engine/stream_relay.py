@@ -38,6 +38,10 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
+# Seconds a relay remembers a request dropped before any of its rows came (rows the engine sent before
+# it took the server's abort come within a step or two).
+DROP_MEMORY = 60.0
+
 # One output of a relayed request, engine -> relay: request id, new text, new token ids, finish reason,
 # finished, error. Tuples: a relay rebuilds no engine classes (and imports neither torch nor pydantic).
 RelayRow = tuple[str, str, list[int], str | None, bool, str | None]
@@ -146,13 +150,18 @@ class _Relay:
         self.selector.register(engine_conn.fileno(), selectors.EVENT_READ, self._from_engine)
         self.selector.register(server_conn.fileno(), selectors.EVENT_READ, self._from_server)
         self.stalled: dict[int, str] = {}  # socket fd -> request id, while its writes wait
+        # Dropped before any row came: rows may never come (refused, or ended at the first output, which
+        # was the server's) or come later on the other pipe. Their rows are ignored; the ids are kept
+        # DROP_MEMORY seconds, in the order dropped, then forgotten.
+        self.unseen_drops: dict[str, float] = {}
 
     def run(self) -> None:
         while True:
-            timeout = 1.0 if self.stalled else None
+            timeout = 1.0 if self.stalled or self.unseen_drops else None
             for key, _ in self.selector.select(timeout):
                 key.data(key.fd)
             self._expire_stalled()
+            self._expire_unseen_drops()
 
     # -- inputs ---------------------------------------------------------------------------------------
 
@@ -161,6 +170,10 @@ class _Relay:
         now = time.monotonic()
         forwarded: list[RelayRow] = []
         for row in message.rows:
+            if row[0] in self.unseen_drops:
+                if row[4]:
+                    del self.unseen_drops[row[0]]
+                continue
             stream = self.streams.get(row[0])
             if stream is None:
                 stream = self.streams[row[0]] = _Stream()
@@ -180,6 +193,9 @@ class _Relay:
     def _from_server(self, _fd: int) -> None:
         message: RelayMessage = self.server.recv()
         stream = self.streams.get(message.request_id)
+        if stream is None and isinstance(message, Drop):
+            self.unseen_drops[message.request_id] = time.monotonic()
+            return
         if stream is None:
             stream = self.streams[message.request_id] = _Stream()
         if isinstance(message, Drop):
@@ -265,6 +281,11 @@ class _Relay:
             stream = self.streams.get(request_id)
             if stream is not None and now - stream.stalled_since > self.send_timeout:
                 self._gone(request_id, stream)
+
+    def _expire_unseen_drops(self) -> None:
+        drops, expired = self.unseen_drops, time.monotonic() - DROP_MEMORY
+        while drops and next(iter(drops.values())) < expired:
+            del drops[next(iter(drops))]
 
     def _gone(self, request_id: str, stream: _Stream) -> None:
         self._unstall(stream)

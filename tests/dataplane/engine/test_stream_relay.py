@@ -11,12 +11,14 @@ from collections.abc import Iterator
 from multiprocessing.reduction import send_handle
 
 import pytest
+from modelfleet.dataplane.engine import stream_relay
 from modelfleet.dataplane.engine.stream_relay import (
     Drop,
     Forwarded,
     Handoff,
     RelayDone,
     RelayRows,
+    _Relay,
     chunk_bytes,
     run_relay,
 )
@@ -192,3 +194,29 @@ def test_the_relay_exits_when_the_engine_is_gone():
     relay.process.join(timeout=10)
     assert relay.process.exitcode == 0
     relay.server.close()
+
+
+def test_a_stream_dropped_before_its_rows_is_forgotten_whether_they_come_or_not(monkeypatch):
+    """The server drops a stream it gave up on before the handoff: the engine may have sent it rows
+    (they come later, on the other pipe) or none (refused, or over at its first output)."""
+    engine_end, to_relay = multiprocessing.Pipe(duplex=False)
+    server_end, relay_end = multiprocessing.Pipe()
+    relay = _Relay(engine_end, relay_end, send_timeout=30.0)
+
+    def from_server(message) -> None:
+        server_end.send(message)
+        relay._from_server(relay_end.fileno())
+
+    def from_engine(*rows) -> None:
+        to_relay.send(RelayRows(list(rows)))
+        relay._from_engine(engine_end.fileno())
+
+    from_server(Drop("late"))
+    from_engine(("late", " a", [5], None, False, None))
+    from_engine(("late", "", [], "abort", True, None))
+    assert relay.streams == {} and relay.unseen_drops == {} and not server_end.poll(0)
+    from_server(Drop("never"))  # no row will come: remembered a while, then forgotten
+    assert relay.streams == {} and list(relay.unseen_drops) == ["never"]
+    monkeypatch.setattr(stream_relay, "DROP_MEMORY", -1.0)
+    relay._expire_unseen_drops()
+    assert relay.unseen_drops == {}
