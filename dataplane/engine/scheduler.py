@@ -9,7 +9,8 @@ recomputed later from its tokens. Waiting requests are admitted in the same orde
 slots and blocks last; a waiting request that finds no blocks preempts running ones of lower priority.
 With `prefill_wait_steps`, a step of pure decodes admits no waiting request until one has waited that
 many steps: requests that arrive one by one then join together, and the steps between stay pure
-decodes (which the model runner replays as CUDA graphs) instead of each running eagerly.
+decodes (which the model runner replays as CUDA graphs) instead of each running eagerly. A step that
+preempted lower-priority requests to make room for the first waiting one admits it at once.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._make_room_for_priority()
+        made_room = self._make_room_for_priority()
 
         # Running sequences: decodes and the remaining chunks of their prompts.
         preempted_for_running = False
@@ -109,7 +110,7 @@ class Scheduler:
             budget -= num_new + lookahead
             i += 1
 
-        if self._hold_waiting(out):
+        if self._hold_waiting(out, made_room):
             return out
 
         # Waiting requests, unless this step already had to free blocks.
@@ -146,10 +147,11 @@ class Scheduler:
 
         return out
 
-    def _hold_waiting(self, out: SchedulerOutput) -> bool:
+    def _hold_waiting(self, out: SchedulerOutput, made_room: bool) -> bool:
         """Whether this step, so far pure decodes, leaves the waiting requests for a later one (at most
-        prefill_wait_steps in a row). A step with prompt tokens in it already admits them."""
-        if not self.prefill_wait_steps or not self.waiting:
+        prefill_wait_steps in a row). A step with prompt tokens in it already admits them, and so does
+        one that preempted running requests to make room for the first waiting one (`made_room`)."""
+        if not self.prefill_wait_steps or not self.waiting or made_room:
             self._held_steps = 0
             return False
         pure_decodes = bool(out.scheduled) and all(
@@ -244,20 +246,24 @@ class Scheduler:
         seq.finished_time = time.monotonic()
         return seq
 
-    def _make_room_for_priority(self) -> None:
+    def _make_room_for_priority(self) -> bool:
         """Before anything is planned: if the first waiting request cannot get blocks for its first
-        chunk, preempt running requests of strictly lower priority (higher value), the newest first."""
+        chunk, preempt running requests of strictly lower priority (higher value), the newest first.
+        Whether any was preempted."""
         if not self.waiting or not self.running:
-            return
+            return False
         head = self.waiting[0]
         first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
         blocks_needed = -(-first_chunk // self.block_manager.block_size)
+        made_room = False
         while (
             self.block_manager.num_free_blocks < blocks_needed
             and self.running
             and self.running[-1].priority > head.priority
         ):
             self._preempt(self.running.pop())
+            made_room = True
+        return made_room
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -325,3 +325,20 @@ def test_without_a_wait_every_step_admits():
     step(sched)
     add(sched, "b", 3, first=100)
     assert plan(step(sched)) == [("a", 5, 1), ("b", 0, 3)]
+
+
+def test_a_request_that_preempted_others_for_its_blocks_is_not_held():
+    sched = make_scheduler(num_blocks=4, prefix=False)
+    sched.prefill_wait_steps = 4
+    add(sched, "high", 6, priority=0)
+    low = add(sched, "low", 6, priority=1, first=100)
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 0
+    urgent = add(sched, "urgent", 4, priority=0, first=200)
+    out = step(sched)
+    # Its first chunk's blocks came from preempting "low": it runs now, not after 4 held steps.
+    assert low.status is SequenceStatus.PREEMPTED
+    assert plan(out) == [("high", 6, 1), ("urgent", 0, 4)]
+    assert urgent.status is SequenceStatus.RUNNING
+    # The preempted request waits as any other: held while the steps are pure decodes.
+    assert plan(step(sched)) == [("high", 7, 1), ("urgent", 4, 1)]
