@@ -215,8 +215,12 @@ def _compile_bounded_strings(compiler: Any, schema: str) -> Any:
         return None
     try:
         return compiler.compile_grammar(chained)
-    except Exception:  # xgrammar raises RuntimeError/ValueError on text it cannot parse
-        logger.warning("structured output: a grammar with bounded strings is compiled without chains")
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError on text it cannot parse
+        logger.warning(
+            "structured output: a grammar with bounded strings is compiled without chains (%s: %s)",
+            type(exc).__name__,
+            exc,
+        )
         return None
 
 

@@ -201,3 +201,4 @@ def test_chains_xgrammar_cannot_read_leave_the_schema_as_it_is(monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert _compile_bounded_strings(compiler, json.dumps(SCHEMAS["array"])) is None
     assert "compiled without chains" in caplog.text
+    assert "RuntimeError" in caplog.text  # xgrammar's reason comes along
