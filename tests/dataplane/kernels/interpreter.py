@@ -5,6 +5,7 @@ GPU may be visible."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -36,4 +37,5 @@ def assert_pass_under_the_interpreter(node_ids: Sequence[str], passed: int) -> N
     assert proc.returncode == 0, output[-4000:]
     # Every case ran: none skipped (no kernel device) or deselected (a renamed case).
     last = output.splitlines()[-1]
-    assert f"{passed} passed" in last and "skipped" not in last, output[-2000:]
+    # a whole number: "8 passed" must not match "18 passed"
+    assert re.search(rf"(?<!\d){passed} passed", last) and "skipped" not in last, output[-2000:]
