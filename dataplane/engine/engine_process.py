@@ -200,7 +200,7 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             sent = link.send(Handoff(request_id, sink.template, sink.last_output_at), fd)
             self.streams_handed_off += sent
         if not sent:  # the relay died: the outputs it was sent are lost with it
-            self._deliver(request_id, EngineProcessError("the stream relay writing this answer stopped"))
+            self._relay_stopped([request_id])
 
     def _relay_over(self, request_id: str, relay: int, finished: bool) -> None:
         link = self._relays[relay - 1]
@@ -223,13 +223,20 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         engine_gone = not self._process.is_alive()  # relays exit with the engine process
         if not self._closed and not engine_gone:
             logger.error("stream relay %s exited (code %s)", link.process.pid, link.process.exitcode)
-        reason = (
-            (self.failure or "the engine process stopped")
-            if engine_gone
-            else "the stream relay writing this answer stopped"
-        )
-        failed = EngineProcessError(reason)
-        self._deliver_all((request_id, failed) for request_id in list(link.requests))
+        if engine_gone:
+            failed = EngineProcessError(self.failure or "the engine process stopped")
+            self._deliver_all((request_id, failed) for request_id in list(link.requests))
+        else:
+            self._relay_stopped(list(link.requests))
+
+    def _relay_stopped(self, request_ids: list[str]) -> None:
+        """Fails streams whose relay died, and stops their requests: a stream that ends in an error
+        does not abort its request (the engine has ended it, as a rule), and the engine would write
+        the rest of these to nobody."""
+        failed = EngineProcessError("the stream relay writing this answer stopped")
+        self._deliver_all((request_id, failed) for request_id in request_ids)
+        for request_id in request_ids:
+            self._submit(Abort(request_id))
 
     def _submit(self, command: Command) -> None:
         # Straight to the child: no thread of this process has to wake for it.

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from modelfleet.dataplane.engine.messages import Abort
 from modelfleet.dataplane.server.settings import ServerSettings
 
 from .conftest import LiveServer, engine_process_server, openai_client
@@ -105,17 +106,26 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server: LiveServer):
     assert openai_client(server).completions.create(**BODY).usage.completion_tokens == 24  # still serving
 
 
-def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(server: LiveServer):
+def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+):
     engine = server.engine("tiny", "v1")
+    submitted: list[object] = []
+    submit = engine._submit
+    monkeypatch.setattr(engine, "_submit", lambda command: (submitted.append(command), submit(command))[1])
     stream = openai_client(server).completions.create(stream=True, **{**BODY, "max_tokens": 400})
     iterator = iter(stream)
     next(iterator)  # the first token's chunk, written by the server; the rest is the relay's
     time.sleep(0.2)
+    relayed = set()
     for link in engine._relays:
         if link.requests:
+            relayed |= link.requests
             os.kill(link.process.pid, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="relay"):
         for _ in iterator:
             pass
+    # The engine stops the requests too: their streams ended in an error, which aborts nothing itself.
+    assert relayed and relayed <= {command.request_id for command in submitted if isinstance(command, Abort)}
     answers = [openai_client(server).completions.create(stream=True, **BODY) for _ in range(3)]
     assert all("".join(c.choices[0].text for c in a if c.choices) for a in answers)
