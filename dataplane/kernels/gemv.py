@@ -478,7 +478,8 @@ def gemv(
     x stays bf16/fp16 and the output is in x's dtype.
 
     silu_mul: x is [..., 2K], a gated MLP's [gate | up], and the product is silu_and_mul(x) @ weight.T,
-    the activation computed on the fly (equal to running the silu_and_mul kernel first)."""
+    the activation computed on the fly: equal to running the silu_and_mul kernel first at the same `config`
+    (the default one may take wider row blocks, summing in another order)."""
     if silu_mul and x.shape[-1] % 2:
         raise ValueError(f"gemv: silu_mul needs x [..., 2K] ([gate | up]), got last dim {x.shape[-1]}")
     k = x.shape[-1] // 2 if silu_mul else x.shape[-1]

@@ -10,7 +10,8 @@ sliced module carries a `tp_shard` telling the loader which rows or columns to r
 (one device) the model is the plain one.
 
 At decode the MLP's down projection, where it runs as the Triton GEMV, computes silu(gate) * up itself
-from the gate_up output (one kernel less per layer; the same result): see LlamaMLP.fuse_silu_mul.
+from the gate_up output (one kernel less per layer; the same products, summed in another order where
+the fused launch takes wider row blocks): see LlamaMLP.fuse_silu_mul.
 """
 
 from __future__ import annotations
