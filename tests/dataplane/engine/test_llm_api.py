@@ -224,14 +224,34 @@ def test_engine_config_refuses_bad_settings(tiny_model_dir, tmp_path):
 
 def test_waiting_requests_are_held_by_default_only_where_decodes_replay_cuda_graphs(tiny_model_dir):
     settings = dict(max_model_len=128, kv_cache_bytes=1 << 21, dtype="float32", device="cpu")
-    assert LLM(tiny_model_dir, **settings).engine.scheduler.prefill_wait_steps == 0  # no graphs on the CPU
+    plain = LLM(tiny_model_dir, **settings)
+    assert plain.engine.scheduler.prefill_wait_steps == 0  # no graphs on the CPU
     held = LLM(tiny_model_dir, prefill_wait_steps=3, **settings)
     assert held.engine.scheduler.prefill_wait_steps == 3
-    # Held or not, greedy answers are the same: holding changes when a request starts, not what it says.
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    prompts = ["once upon a time", "the cat", "a b c d e"]
-    plain = LLM(tiny_model_dir, **settings).generate(prompts, params)
-    assert [o.token_ids for o in held.generate(prompts, params)] == [o.token_ids for o in plain]
+    # A request arriving while another decodes waits 3 steps, then joins; held or not, greedy answers
+    # are the same: holding changes when a request starts, not what it says.
+    plain_steps, plain_tokens = arrive_while_decoding(plain)
+    held_steps, held_tokens = arrive_while_decoding(held)
+    assert (plain_steps, held_steps) == (1, 4)
+    assert held_tokens == plain_tokens
+    assert sorted(held_tokens) == ["first", "second"] and all(len(t) == 12 for t in held_tokens.values())
+
+
+def arrive_while_decoding(llm: LLM) -> tuple[int, dict[str, list[int]]]:
+    """Steps taken until a request added while another decodes leaves the waiting queue, and every
+    request's tokens."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    engine.add_request("first", "once upon a time", params, stream=False)
+    outputs = engine.step() + engine.step()  # its prefill, then a decode
+    engine.add_request("second", "the cat", params, stream=False)
+    steps = 0
+    while engine.scheduler.waiting:
+        outputs += engine.step()
+        steps += 1
+    while engine.has_unfinished_requests() or engine._launched is not None:
+        outputs += engine.step()
+    return steps, {o.request_id: o.token_ids for o in outputs if o.finished}
 
 
 def test_kv_cache_is_sized_from_the_byte_budget_and_logged(tiny_model_dir, caplog):
