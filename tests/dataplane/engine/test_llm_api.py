@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from modelfleet.dataplane import LLM, EngineConfig, SamplingParams
+from modelfleet.dataplane.config import PREFILL_WAIT_STEPS
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -235,6 +237,19 @@ def test_waiting_requests_are_held_by_default_only_where_decodes_replay_cuda_gra
     assert (plain_steps, held_steps) == (1, 4)
     assert held_tokens == plain_tokens
     assert sorted(held_tokens) == ["first", "second"] and all(len(t) == 12 for t in held_tokens.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_decode_graphs_hold_waiting_requests_by_default(tiny_model_dir):
+    settings = dict(max_model_len=128, kv_cache_memory_fraction=0.05, dtype="float32", device="cuda")
+    graphs = LLM(tiny_model_dir, **settings)
+    assert graphs.engine.runner.decode_graphs is not None
+    assert graphs.engine.scheduler.prefill_wait_steps == PREFILL_WAIT_STEPS
+    assert arrive_while_decoding(graphs)[0] == PREFILL_WAIT_STEPS + 1
+    del graphs  # each engine takes a small share of the GPU's memory: both fit anyway
+    eager = LLM(tiny_model_dir, enforce_eager=True, **settings)
+    assert eager.engine.runner.decode_graphs is None
+    assert eager.engine.scheduler.prefill_wait_steps == 0
 
 
 def arrive_while_decoding(llm: LLM) -> tuple[int, dict[str, list[int]]]:
