@@ -27,7 +27,7 @@ import logging
 import multiprocessing
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -220,7 +220,13 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             elif isinstance(message, Forwarded):
                 self._deliver_all((row[0], _row_output(row)) for row in message.rows)
         link.alive = False
-        engine_gone = not self._process.is_alive()  # relays exit with the engine process
+        # A relay exits by itself (code 0) when its engine pipe closes, as the engine process ends. The
+        # engine's reader ends on the same, having set `failure`; wait for it (the engine process may
+        # not be reaped yet: is_alive() cannot tell).
+        link.process.join(timeout=5)
+        if link.process.exitcode == 0:
+            self._thread.join(timeout=5)
+        engine_gone = not self._thread.is_alive()
         if not self._closed and not engine_gone:
             logger.error("stream relay %s exited (code %s)", link.process.pid, link.process.exitcode)
         if engine_gone:
@@ -263,12 +269,8 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
                 self._deliver(message.request_id, ValueError(message.message))
             elif isinstance(message, StepFailed):
                 logger.error("engine step failed: %s", message.message)
-                failed = RuntimeError(f"engine step failed: {message.message}")
                 # A relayed stream ends with its relay's report: its socket may still be the relay's.
-                others = (
-                    request_id for request_id in list(self._streams) if request_id not in message.relayed
-                )
-                self._deliver_all((request_id, failed) for request_id in others)
+                self._fail_all(RuntimeError(f"engine step failed: {message.message}"), message.relayed)
             elif isinstance(message, Fatal):
                 fatal = message.message
         if not self._closed:
@@ -282,10 +284,14 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
                     self.on_failure(self.failure)
                 except Exception:  # the owner's hook must not keep the streams below from ending
                     logger.exception("the engine's failure hook raised")
-        self._fail_all(EngineProcessError(self.failure or "the engine process stopped"))
+        # A relayed stream is failed by its relay's reader once the relay, which exits with the engine
+        # process, has written the rows it had: until then its socket is not this process's to write.
+        relayed = {request_id for link in self._relays for request_id in list(link.requests)}
+        self._fail_all(EngineProcessError(self.failure or "the engine process stopped"), relayed)
 
-    def _fail_all(self, exc: Exception) -> None:
-        self._deliver_all((request_id, exc) for request_id in list(self._streams))
+    def _fail_all(self, exc: Exception, spared: Collection[str] = ()) -> None:
+        """Ends every open stream with `exc`, but those `spared`."""
+        self._deliver_all((request_id, exc) for request_id in list(self._streams) if request_id not in spared)
 
     def close(self) -> None:
         self._closed = True

@@ -129,3 +129,18 @@ def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(
     assert relayed and relayed <= {command.request_id for command in submitted if isinstance(command, Abort)}
     answers = [openai_client(server).completions.create(stream=True, **BODY) for _ in range(3)]
     assert all("".join(c.choices[0].text for c in a if c.choices) for a in answers)
+
+
+def test_an_engine_that_dies_ends_relayed_streams_with_its_reason(tiny_model_dir: Path):
+    """The relay writes the rows it had, then exits; its reader, not the engine's, fails the stream (the
+    socket is the relay's until then), with the engine's reason."""
+    with engine_process_server(ServerSettings(stream_relays=1), tiny_model_dir) as live:
+        engine = live.engine("tiny", "v1")
+        iterator = iter(openai_client(live).completions.create(stream=True, **{**BODY, "max_tokens": 400}))
+        next(iterator)
+        time.sleep(0.2)
+        assert engine.streams_handed_off == 1
+        os.kill(engine._process.pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match=r"engine process exited \(code -9\)"):
+            for _ in iterator:
+                pass
