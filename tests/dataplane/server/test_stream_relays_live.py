@@ -85,7 +85,22 @@ def running(server: LiveServer) -> int:
     return server.engine("tiny", "v1").stats().num_running
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_request(server: LiveServer):
+@pytest.fixture
+def aborted(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The ids of the requests the server asks its engine to abort, while the test runs."""
+    engine, ids = server.engine("tiny", "v1"), set()
+    submit = engine._submit
+
+    def recording(command: object) -> None:
+        if isinstance(command, Abort):
+            ids.add(command.request_id)
+        submit(command)
+
+    monkeypatch.setattr(engine, "_submit", recording)
+    return ids
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server: LiveServer, aborted: set[str]):
     body = json.dumps({**{k: v for k, v in BODY.items() if k != "extra_body"}, "ignore_eos": True,
                        "max_tokens": 400, "stream": True})  # fmt: skip
     host, port = server.url.removeprefix("http://").split(":")
@@ -103,16 +118,14 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server: LiveServer):
     while running(server) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert running(server) == 0 and engine.streams_handed_off == before + 1
+    assert len(aborted) == 1  # stopped, not run to its end
     assert openai_client(server).completions.create(**BODY).usage.completion_tokens == 24  # still serving
 
 
 def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(
-    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, aborted: set[str]
 ):
     engine = server.engine("tiny", "v1")
-    submitted: list[object] = []
-    submit = engine._submit
-    monkeypatch.setattr(engine, "_submit", lambda command: (submitted.append(command), submit(command))[1])
     stream = openai_client(server).completions.create(stream=True, **{**BODY, "max_tokens": 400})
     iterator = iter(stream)
     next(iterator)  # the first token's chunk, written by the server; the rest is the relay's
@@ -126,7 +139,7 @@ def test_a_relay_that_dies_ends_its_streams_with_an_error_and_serving_goes_on(
         for _ in iterator:
             pass
     # The engine stops the requests too: their streams ended in an error, which aborts nothing itself.
-    assert relayed and relayed <= {command.request_id for command in submitted if isinstance(command, Abort)}
+    assert relayed and relayed <= aborted
     answers = [openai_client(server).completions.create(stream=True, **BODY) for _ in range(3)]
     assert all("".join(c.choices[0].text for c in a if c.choices) for a in answers)
 
