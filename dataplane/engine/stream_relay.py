@@ -18,8 +18,11 @@ and the engine waits for it. An engine process (engine_process.py) can hand that
 
 The server can take a stream back before handing it off (`Handoff` without a template: the relay
 forwards the outputs to it, `Forwarded`), and drop one it gave up on (`Drop`). A relay holds no state
-the server needs: if it dies, the server fails its streams with an error event; if the engine process
-dies, the relay stops writing and exits.
+the server needs: if it dies, the server fails its streams with an error event (and aborts their
+requests). Whatever else ends a relayed stream comes through its relay, so that the server writes to the
+socket only behind the relay's bytes: a failed step is an error row (`RelayDone.error`), and if the
+engine process dies, the relay writes the rows it has and exits, and only then does the server fail
+its streams.
 """
 
 from __future__ import annotations
