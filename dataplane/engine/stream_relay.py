@@ -140,9 +140,11 @@ def chunk_bytes(template: tuple[str, str, str], text: str, finish_reason: str | 
 def run_relay(engine_conn: Connection, server_conn: Connection, send_timeout: float) -> None:
     """A relay process's main: rows from the engine, handoffs from the server, writes to sockets."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which closes this
+    relay = _Relay(engine_conn, server_conn, send_timeout)
     with contextlib.suppress(EOFError, OSError):
-        _Relay(engine_conn, server_conn, send_timeout).run()
-    os._exit(0)  # the sockets are the server's: nothing here to flush or close politely
+        relay.run()
+    relay.end_unfinished_writes()
+    os._exit(0)  # the sockets are the server's: nothing else here to flush or close politely
 
 
 class _Relay:
@@ -165,6 +167,14 @@ class _Relay:
                 key.data(key.fd)
             self._expire_stalled()
             self._expire_unseen_drops()
+
+    def end_unfinished_writes(self) -> None:
+        """At exit: a connection whose client stopped reading may be left inside a chunk, where the
+        server's error event could not follow; it is shut down (the client would get nothing more)."""
+        for stream in self.streams.values():
+            if stream.pending and stream.sock is not None:
+                with contextlib.suppress(OSError):
+                    stream.sock.shutdown(socket.SHUT_RDWR)
 
     # -- inputs ---------------------------------------------------------------------------------------
 

@@ -188,6 +188,27 @@ def test_a_client_that_stops_reading_loses_its_stream_after_the_send_deadline():
         relay.stop()
 
 
+def test_a_relay_that_exits_mid_chunk_ends_that_connection():
+    """The engine process died while a client was not reading: what the relay had not written cannot be
+    followed by the server's error event, so the connection ends."""
+    relay = Relay()
+    server_side, client_side = client_pair()
+    server_side.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client_side.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    relay.hand_off("r1", server_side)
+    relay.rows(*[row("x" * 2000, [i]) for i in range(50)])  # more than the buffers hold
+    time.sleep(0.3)
+    relay.engine.close()
+    relay.process.join(timeout=10)
+    assert relay.process.exitcode == 0
+    client_side.settimeout(10)
+    received = b""
+    while chunk := client_side.recv(65536):
+        received += chunk
+    assert 0 < len(received) < 50 * 2000  # part of it, then the end of the connection
+    relay.server.close()
+
+
 def test_the_relay_exits_when_the_engine_is_gone():
     relay = Relay()
     relay.engine.close()
