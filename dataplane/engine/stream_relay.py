@@ -21,8 +21,8 @@ forwards the outputs to it, `Forwarded`), and drop one it gave up on (`Drop`). A
 the server needs: if it dies, the server fails its streams with an error event (and aborts their
 requests). Whatever else ends a relayed stream comes through its relay, so that the server writes to the
 socket only behind the relay's bytes: a failed step is an error row (`RelayDone.error`), and if the
-engine process dies, the relay writes the rows it has and exits, and only then does the server fail
-its streams.
+engine process dies, the relay writes the rows it has (or ends a connection it is stuck writing to)
+and exits, and only then does the server fail its streams.
 """
 
 from __future__ import annotations
