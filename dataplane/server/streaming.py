@@ -48,7 +48,9 @@ class SocketSink:
     def bind(self, send: Send) -> None:
         """The server's own send of this response (uvicorn's httptools cycle), once its head is out."""
         cycle: Any = getattr(send, "__self__", None)
-        if type(cycle).__module__ == "uvicorn.protocols.http.httptools_impl" and cycle.chunked_encoding:
+        if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or not cycle.chunked_encoding:
+            return
+        if cycle.transport.get_extra_info("sslcontext") is None:  # a relay writes plain bytes: never TLS
             self._cycle = cycle
 
     def socket_fd(self) -> int | None:
