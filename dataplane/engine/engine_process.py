@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.config import EngineConfig
-from modelfleet.dataplane.engine.llm_engine import LLMEngine, Prompt, PromptChecks
+from modelfleet.dataplane.engine.llm_engine import LLMEngine, PromptChecks
 from modelfleet.dataplane.engine.messages import (
     Abort,
     Add,
@@ -62,7 +62,6 @@ from modelfleet.dataplane.engine.stream_relay import (
     run_relay,
 )
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
-from modelfleet.dataplane.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +91,8 @@ class _RelayLink:
 
 
 class AsyncLLMProcess(PromptChecks, ThreadedEngine):
+    adds_token_ids = True
+
     def __init__(
         self,
         model: str | Path,
@@ -167,17 +168,6 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
     def stats(self) -> EngineStats:
         """As of the engine's latest step."""
         return self._stats
-
-    def _add_command(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        priority: int,
-        validated: tuple[list[int], SamplingParams],
-        sink: int = 0,
-    ) -> Add:
-        # The child needs the token ids alone: a prompt text stays here.
-        return Add(request_id, validated[0], priority, validated, sink)
 
     def _pick_relay(self, request_id: str) -> int:
         """The live relay (1-based) with the fewest streams, ties in turn; 0 (this process) if none."""

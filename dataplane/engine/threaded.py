@@ -122,16 +122,9 @@ class ThreadedEngine(ABC):
     def stats(self) -> EngineStats:
         """Engine-wide statistics, as of the latest step."""
 
-    def _add_command(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        priority: int,
-        validated: tuple[list[int], SamplingParams],
-        sink: int = 0,
-    ) -> Add:
-        """The "add" command the thread's loop gets."""
-        return Add(request_id, prompt, priority, validated, sink)
+    # Whether the "add" command carries the checked token ids instead of the prompt (an engine process
+    # needs the ids alone: a prompt text stays with the caller).
+    adds_token_ids = False
 
     # Stream relays (engine_process.py has them; an engine on a thread has none).
     stream_relays = 0
@@ -175,10 +168,8 @@ class ThreadedEngine(ABC):
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         relay = self._pick_relay(request_id) if sink is not None and self.stream_relays else 0
-        if relay:
-            self._submit(self._add_command(request_id, prompt, priority, validated, relay))
-        else:
-            self._submit(self._add_command(request_id, prompt, priority, validated))
+        wire_prompt = validated[0] if self.adds_token_ids else prompt
+        self._submit(Add(request_id, wire_prompt, priority, validated, relay))
         finished = False
         try:
             abandon = functools.partial(self._submit, Abort(request_id))
