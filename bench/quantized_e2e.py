@@ -381,14 +381,28 @@ def wait_ready(server: Server, url: str, timeout: float) -> float:
         if server.proc.poll() is not None:
             raise StepFailed("serve-ready", f"the server exited ({server.proc.returncode}):\n{server.tail()}")
         try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return time.monotonic() - started
+            answer = httpx.get(f"{url}/ready", timeout=5)
         except httpx.HTTPError:
-            pass  # not listening yet
+            answer = None  # not listening yet
+        if answer is not None and answer.status_code == 200:
+            return time.monotonic() - started
+        failed = [v for v in _versions(answer) if v.get("state") == "failed"]
+        if failed:  # a version that failed to load is not retried for a while: say why now
+            reasons = "; ".join(f"{v.get('model')}@{v.get('version')}: {v.get('error')}" for v in failed)
+            raise StepFailed("serve-ready", f"a version failed to load: {reasons}")
         time.sleep(1)
     raise StepFailed(
         "serve-ready", f"/ready not 200 after {timeout:.0f} s (log: {server.log}):\n{server.tail()}"
     )
+
+
+def _versions(answer: Any) -> list[dict[str, Any]]:
+    """The versions /ready lists (with their load state), or none where it answered no JSON."""
+    try:
+        versions = answer.json().get("versions", []) if answer is not None else []
+    except ValueError:
+        return []
+    return [v for v in versions if isinstance(v, dict)]
 
 
 def chat_body(model: str, stream: bool) -> dict[str, Any]:
