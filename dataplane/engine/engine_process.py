@@ -378,6 +378,8 @@ class OutputRoutes:
 
     def _route(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Sends the relays their rows; returns the server's outputs."""
+        if not self._first and not self._relayed:  # nothing relayed: every output is the server's
+            return outputs
         mine: list[RequestOutput] = []
         rows: dict[int, list[RelayRow]] = {}
         for output in outputs:

@@ -42,8 +42,11 @@ class Engine(Protocol):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        sink: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs, the last one finished; closing the iterator aborts the request."""
+        """The request's outputs, the last one finished; closing the iterator aborts the request. An
+        engine with stream relays may hand the outputs after the first to a relay writing to `sink`
+        (stream_relay.StreamSink); others ignore it."""
         ...
 
     def abort(self, request_id: str) -> Awaitable[None]: ...

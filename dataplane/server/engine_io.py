@@ -88,7 +88,7 @@ async def _one(
         if sink is None:
             stream = engine.generate(prompt, params, request_id=request_id)
         else:  # an engine with stream relays (engine_process.AsyncLLMProcess)
-            stream = engine.generate(prompt, params, request_id=request_id, sink=sink)  # type: ignore[call-arg]
+            stream = engine.generate(prompt, params, request_id=request_id, sink=sink)
         async with contextlib.aclosing(stream):
             async for output in stream:
                 yield _event(index, output)

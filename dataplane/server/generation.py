@@ -90,16 +90,12 @@ class Generation:
     def relay_sink(self) -> SocketSink | None:
         """A sink for this stream's relay (streaming.SocketSink), where the engine has stream relays and
         the stream is one choice of text-only chunks; else None."""
-        if not self.engine_relays or self.n != 1 or len(self.prompts) != 1:
+        if not getattr(self.engine, "stream_relays", 0) or self.n != 1 or len(self.prompts) != 1:
             return None
         template = self.renderer.plain_template(0)
         if template is None:
             return None
         return SocketSink((template.head, template.middle, template.tail))
-
-    @property
-    def engine_relays(self) -> int:
-        return getattr(self.engine, "stream_relays", 0)
 
     async def _chunks(self, *, encoded: bool, sink: StreamSink | None = None) -> AsyncGenerator[Any, None]:
         renderer, tokenizer = self.renderer, self.engine.tokenizer
