@@ -12,6 +12,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+@pytest.fixture
+def bench_scripts(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """bench/ on sys.path for this test, so that its scripts import as modules (`import serve`)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return BENCH
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny demo model (seed 0), written once per test session. Treat it as read-only."""

@@ -4,25 +4,18 @@ its reason (a failed load is not retried for a while, so polling /ready on would
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 
-@pytest.fixture(scope="module")
-def e2e():
-    bench = str(Path(__file__).parents[3] / "bench")
-    sys.path.insert(0, bench)
-    try:
-        import quantized_e2e
+@pytest.fixture
+def e2e(bench_scripts):
+    import quantized_e2e
 
-        yield quantized_e2e
-    finally:
-        sys.path.remove(bench)
+    return quantized_e2e
 
 
 def ready_server(status: int, body: dict):

@@ -7,23 +7,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
 
 
-@pytest.fixture(scope="module")
-def serve_bench():
-    import sys
+@pytest.fixture
+def serve_bench(bench_scripts):
+    import serve
 
-    bench = str(Path(__file__).parents[3] / "bench")
-    sys.path.insert(0, bench)
-    try:
-        import serve
-
-        yield serve
-    finally:
-        sys.path.remove(bench)
+    return serve
 
 
 def test_a_split_client_answers_every_request_once(tiny_model_dir, serve_bench):
