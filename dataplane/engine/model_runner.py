@@ -17,6 +17,7 @@ are gathered from every rank's vocabulary shard. With one rank nothing of this r
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from modelfleet.dataplane.config import EngineConfig
-from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
+from modelfleet.dataplane.engine.sampler import PendingSample, SampledBatch, Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -411,16 +412,17 @@ class ModelRunner:
         pending = sampler.begin(logits, seqs)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
-
-        @torch.inference_mode()
-        def finish() -> SampledBatch:
-            sampled = pending.finish()
-            self.sampled_ids[: len(seqs)].copy_(sampled.token_ids)
-            return sampled
-
+        finish = functools.partial(self._end_sampling, pending)
         if pending.done:
             return LaunchedStep(num_seqs, sampling_rows, finish())
         return LaunchedStep(num_seqs, sampling_rows, None, finish)
+
+    @torch.inference_mode()
+    def _end_sampling(self, pending: PendingSample) -> SampledBatch:
+        """The end of a step's sampling: its tokens, also copied where the next step's inputs read them."""
+        sampled = pending.finish()
+        self.sampled_ids[: len(sampled.token_ids)].copy_(sampled.token_ids)
+        return sampled
 
 
 def _flat_input_ids(scheduled: list, cu_query: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
