@@ -146,9 +146,7 @@ class Sampler:
         if self.fused and all(s.temperature_only for s in seqs):
             masks = self._begin_grammars(logits, seqs, overlap)
             inputs = self._fused_inputs(seqs, params, logits.device)
-            pending = PendingSample(
-                self, lambda: self._sample_fused(self._mask(logits, masks), params, inputs), masks
-            )
+            pending = PendingSample(self, lambda: self._sample_fused(logits, params, inputs, masks), masks)
         else:
             pending = self._begin_torch(logits, seqs, params, overlap)
         if pending.begun_masks is None or not overlap:
@@ -215,13 +213,22 @@ class Sampler:
         )
 
     def _sample_fused(
-        self, logits: torch.Tensor, params: list[SamplingParams], inputs: tuple[torch.Tensor, torch.Tensor]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        inputs: tuple[torch.Tensor, torch.Tensor],
+        masks: BegunMasks | None,
     ) -> SampledBatch:
-        """Greedy and temperature rows in one pass over the logits (Gumbel-max with counter-based noise).
-        A request with a seed draws from (its seed, the index of the token): batch-independent."""
+        """Greedy and temperature rows in one pass over the logits (Gumbel-max with counter-based noise),
+        the grammars' bitmask read in the same pass. A request with a seed draws from (its seed, the
+        index of the token): batch-independent."""
         from modelfleet.dataplane.kernels.sampling import sample_tokens
 
-        token_ids, bad_rows = sample_tokens(logits, *inputs)
+        mask = None
+        if masks is not None:
+            assert self._grammar_masks is not None  # made by _begin_grammars
+            mask = self._grammar_masks.finish_bitmask(masks, logits.device)
+        token_ids, bad_rows = sample_tokens(logits, *inputs, mask=mask)
         return SampledBatch(token_ids, bad_rows, None, params)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import re
 import threading
 from collections import OrderedDict
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     import torch
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
+    from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +305,58 @@ class BegunMasks:
     rows: list[int]
     vocab: GrammarVocab
     num_rows: int
-    fill: Future[None] | None  # None: filled already
+    fill: _FillWorker | None  # None: filled already
+
+
+class _FillWorker:
+    """The thread that runs a step's bitmask fill while the engine thread goes on; one fill at a time.
+
+    The handoff is two plain locks (no pool, no futures: their Python-level conditions cost a few
+    GIL round trips a step). `start` waits, without the GIL, until the worker holds the job, which hands
+    it the GIL at once; else it would wait for the engine thread's Python to give it up (the
+    interpreter's 5 ms switch interval) and start too late to overlap anything. It keeps the GIL only
+    until the fill releases it. `wait` blocks, without the GIL, until the fill has ended."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, list[Any], Any, list[int]]] = queue.SimpleQueue()
+        self._started = threading.Lock()
+        self._started.acquire()
+        self._ended = threading.Lock()
+        self._ended.acquire()
+        self._error: BaseException | None = None
+        self._running = False
+        # A daemon: it holds nothing when idle, blocked on the queue, and ends with the process.
+        threading.Thread(target=self._run, name="modelfleet-grammar-fill", daemon=True).start()
+
+    def start(self, filler: Any, matchers: list[Any], host: Any, rows: list[int]) -> None:
+        if self._running:  # a step dropped before its finish: its fill (and any error) goes with it
+            self._join()
+        self._running = True
+        self._jobs.put((filler, matchers, host, rows))
+        self._started.acquire()
+
+    def wait(self) -> None:
+        """Until the fill started last has ended; raises its error, if any."""
+        if self._running:
+            error = self._join()
+            if error is not None:
+                raise error
+
+    def _join(self) -> BaseException | None:
+        self._ended.acquire()
+        self._running = False
+        error, self._error = self._error, None
+        return error
+
+    def _run(self) -> None:
+        while True:
+            filler, matchers, host, rows = self._jobs.get()
+            self._started.release()
+            try:
+                filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
+            except BaseException as exc:  # raised on the engine thread, by wait
+                self._error = exc
+            self._ended.release()
 
 
 class GrammarMasks:
@@ -313,19 +366,22 @@ class GrammarMasks:
 
     The work comes in two halves so that the engine thread can do other work while the fill runs:
     `begin` (the accepts, then the fill started on a worker thread: xgrammar's fill holds no GIL) and
-    `finish` (the wait for the fill, the copy and the masking); `apply` is both at once."""
+    `finish` (the wait for the fill, the copy and the masking) or, for the fused GPU sampler,
+    `finish_bitmask` (the wait and the copy: the sampling kernel reads the bitmask itself); `apply` is
+    begin and finish at once."""
 
     def __init__(self, threads: int | str = "auto") -> None:
         xgrammar = _xgrammar()
         self._xgrammar = xgrammar
         # xgrammar's pool, which fills the rows of one step in parallel (threads: see fill_threads).
         self._filler = xgrammar.BatchGrammarMatcher(max_threads=threads)
-        # The thread that calls the filler while the engine thread goes on (one fill at a time).
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelfleet-grammar-fill")
+        self._worker: _FillWorker | None = None  # started with the first fill in the background
         self._host: torch.Tensor | None = None
         self._device: torch.Tensor | None = None
         self._copied: Any = None  # a CUDA event once a copy was queued
         self._padding: _PaddingMask | None = None
+        self._far_ids: tuple[GrammarVocab, torch.Tensor] | None = None  # finish_bitmask's, on the device
+        self._ones: torch.Tensor | None = None  # finish_bitmask's row flags of a fully constrained batch
 
     def apply(
         self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledBatch | None
@@ -356,36 +412,18 @@ class GrammarMasks:
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
             return BegunMasks(rows, vocab, num_rows, None)
-        return BegunMasks(rows, vocab, num_rows, self._fill_on_worker(matchers, host, rows))
-
-    def _fill_on_worker(self, matchers: list[Any], host: torch.Tensor, rows: list[int]) -> Future[None]:
-        started = threading.Event()
-
-        def fill() -> None:
-            started.set()
-            self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
-
-        future = self._worker.submit(fill)
-        # Waiting (without the GIL) until the worker runs hands it the GIL at once; else it would wait
-        # for the engine thread's Python to give it up (the interpreter's 5 ms switch interval), and
-        # start too late to overlap anything. It keeps the GIL only until the fill releases it.
-        started.wait()
-        return future
+        if self._worker is None:
+            self._worker = _FillWorker()
+        self._worker.start(self._filler, matchers, host, rows)
+        return BegunMasks(rows, vocab, num_rows, self._worker)
 
     def finish(self, begun: BegunMasks, logits: torch.Tensor) -> torch.Tensor:
         """Waits for the fill (raising its error, if any), then masks `logits` in place: one copy of the
         bitmask to the device and one masking kernel (and the padded ids')."""
-        if begun.fill is not None:
-            begun.fill.result()
         rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
-        assert self._host is not None  # made by begin
-        host = self._host[:num_rows]
+        host = self._filled_host(begun)
         logits = logits.contiguous()
-        bitmask = host
-        if logits.device.type != "cpu":
-            assert self._device is not None  # made with the pinned host buffer
-            bitmask = self._device[:num_rows].copy_(host, non_blocking=True)
-            self._copied.record()
+        bitmask = host if logits.device.type == "cpu" else self._to_device(host)
         # Every row constrained (the usual batch of one schema): no indices to send along.
         indices = None if len(rows) == num_rows else rows
         direct = vocab.tokenizer_size if vocab.padded else vocab.size
@@ -395,6 +433,51 @@ class GrammarMasks:
                 self._padding = _PaddingMask(vocab, logits.device)
             self._padding.apply(logits, bitmask, host, indices)
         return logits
+
+    def finish_bitmask(self, begun: BegunMasks, device: torch.device) -> TokenBitmask:
+        """Waits for the fill (raising its error, if any), then copies the bitmask to `device` for the
+        fused sampling kernel to read, with which rows it masks (the constrained ones)."""
+        import torch
+        from modelfleet.dataplane.kernels.sampling import TokenBitmask
+
+        rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
+        host = self._filled_host(begun)
+        if self._far_ids is None or self._far_ids[0] != vocab or self._far_ids[1].device != device:
+            # Not padded: the far stops are the model's last ids, in order, and every id is direct.
+            far = vocab.far_stops if vocab.padded else ()
+            self._far_ids = (vocab, torch.tensor(far, dtype=torch.int32).to(device))
+        direct = vocab.tokenizer_size if vocab.padded else vocab.model_size
+        if len(rows) == num_rows:  # the usual batch, every row constrained: nothing more to copy
+            flags = self._all_rows(num_rows, device)
+        else:
+            flags = torch.zeros(num_rows, dtype=torch.int32)
+            flags[rows] = 1
+            flags = flags.to(device, non_blocking=True)
+        bits = host if device.type == "cpu" else self._to_device(host)
+        return TokenBitmask(bits, direct, self._far_ids[1], flags)
+
+    def _all_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """int32 ones [num_rows] on `device`, made once for the largest batch seen."""
+        import torch
+
+        ones = self._ones
+        if ones is None or ones.shape[0] < num_rows or ones.device != device:
+            ones = self._ones = torch.ones(max(MIN_ROWS, num_rows), dtype=torch.int32, device=device)
+        return ones[:num_rows]
+
+    def _filled_host(self, begun: BegunMasks) -> torch.Tensor:
+        """The host bitmask's rows of this step, once filled."""
+        if begun.fill is not None:
+            begun.fill.wait()
+        assert self._host is not None  # made by begin
+        return self._host[: begun.num_rows]
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Queues the host bitmask's copy to the device buffer (the event marks it queued)."""
+        assert self._device is not None  # made with the pinned host buffer
+        bitmask = self._device[: host.shape[0]].copy_(host, non_blocking=True)
+        self._copied.record()
+        return bitmask
 
     def _host_buffer(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
         """The host bitmask, free to fill: the copy queued from it last has run."""

@@ -6,6 +6,10 @@ softmax(logits / T). The noise of column j comes from Triton's Philox keyed by t
 counter that depends on j alone, so a row's token depends only on its seed and its logits: never on the
 other rows, the batch size, or how the vocabulary is split across programs.
 
+With a `TokenBitmask` (structured output's grammar masks, GrammarMasks.finish_bitmask) a column its
+row's bitmask does not allow counts as -inf, read from the bitmask as the logits stream by: the masking
+costs no launch and no pass of its own.
+
 Two launches: programs (row, chunk) each reduce a slice of the vocabulary to its best (score, column)
 and a NaN flag; one small program per row then picks the best chunk. A single 128k row is thus read by
 many SMs, and a large batch streams through once. Nothing is read back to the host. With programmatic
@@ -13,6 +17,7 @@ dependent launch (Hopper and newer) both are scheduled while their predecessor d
 before their first load.
 """
 
+import dataclasses
 import functools
 
 import torch
@@ -38,6 +43,30 @@ _NUM_WARPS = 4
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenBitmask:
+    """Which tokens each row may take: bit g (word g // 32, bit g % 32) of row i allows grammar id g.
+    Model ids below `num_direct` are grammar ids as they are; model id `far_ids[j]` past them is grammar
+    id num_direct + j; any other id past them is never allowed (a vocabulary padded past its tokenizer:
+    structured.GrammarVocab). Only the rows flagged in `masked_rows` are masked."""
+
+    bits: torch.Tensor  # int32 [N, words], on the logits' device
+    num_direct: int
+    far_ids: torch.Tensor  # int32 [F], on the logits' device (F may be 0)
+    masked_rows: torch.Tensor  # int32 [N], on the logits' device: 0 where a row takes any token
+
+
+@triton.jit
+def _allowed(cols, bits_row, num_direct, far_ptr, NUM_FAR: tl.constexpr):
+    """Whether the row's bitmask allows each of `cols` (model ids): see TokenBitmask."""
+    gid = tl.where(cols < num_direct, cols, -1)
+    for j in tl.static_range(NUM_FAR):
+        gid = tl.where(cols == tl.load(far_ptr + j), num_direct + j, gid)
+    known = gid >= 0
+    word = tl.load(bits_row + gid // 32, mask=known, other=0)
+    return known & (((word >> (gid % 32)) & 1) != 0)
+
+
 @triton.jit
 def _log(x, FAST_LOG: tl.constexpr):
     # The hardware approximation (relative error about 2^-22) is ample for noise, and the precise log
@@ -50,9 +79,26 @@ def _log(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _scores(row_ptr, cols, col_end, u, inv_temperature, SAMPLE: tl.constexpr, FAST_LOG: tl.constexpr):
-    """Logits (float32) of `cols` and their scores: the logit itself, or logit * (1/T) + Gumbel noise."""
+def _scores(
+    row_ptr,
+    cols,
+    col_end,
+    u,
+    inv_temperature,
+    mask_args,
+    SAMPLE: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_FAR: tl.constexpr,
+):
+    """Logits (float32) of `cols` and their scores: the logit itself, or logit * (1/T) + Gumbel noise.
+    MASKED: a column the row's bitmask does not allow is -inf (so never NaN either); mask_args are the
+    row's bitmask, TokenBitmask's num_direct and far ids, and whether the row is free of the mask."""
     x = tl.load(row_ptr + cols, mask=cols < col_end, other=float("-inf")).to(tl.float32)
+    if MASKED:
+        bits_row, num_direct, far_ptr, free_row = mask_args
+        allowed = _allowed(cols, bits_row, num_direct, far_ptr, NUM_FAR) | free_row
+        x = tl.where(allowed, x, float("-inf"))
     if SAMPLE:
         u = tl.minimum(tl.maximum(u, _U_MIN), _U_MAX)
         # E = -log(1 - u) is Exponential(1) (as -log(u) is); written this way the small E, which decide
@@ -83,9 +129,12 @@ def _chunk_best(
     inv_temperature,
     col_start,
     col_end,
+    mask_args,
     SAMPLE: tl.constexpr,
     SUB: tl.constexpr,
     FAST_LOG: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_FAR: tl.constexpr,
 ):
     """Best score of columns [col_start, col_end) of one row, its first column, and whether any is NaN."""
     lanes = tl.arange(0, SUB)
@@ -100,16 +149,24 @@ def _chunk_best(
             u0, u1, u2, u3 = unused, unused, unused, unused
         # the four sub-blocks in column order, so that each lane meets its columns in increasing order
         cols = tile_start + lanes
-        x, score = _scores(row_ptr, cols, col_end, u0, inv_temperature, SAMPLE, FAST_LOG)
+        x, score = _scores(
+            row_ptr, cols, col_end, u0, inv_temperature, mask_args, SAMPLE, FAST_LOG, MASKED, NUM_FAR
+        )
         best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
         cols += SUB
-        x, score = _scores(row_ptr, cols, col_end, u1, inv_temperature, SAMPLE, FAST_LOG)
+        x, score = _scores(
+            row_ptr, cols, col_end, u1, inv_temperature, mask_args, SAMPLE, FAST_LOG, MASKED, NUM_FAR
+        )
         best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
         cols += SUB
-        x, score = _scores(row_ptr, cols, col_end, u2, inv_temperature, SAMPLE, FAST_LOG)
+        x, score = _scores(
+            row_ptr, cols, col_end, u2, inv_temperature, mask_args, SAMPLE, FAST_LOG, MASKED, NUM_FAR
+        )
         best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
         cols += SUB
-        x, score = _scores(row_ptr, cols, col_end, u3, inv_temperature, SAMPLE, FAST_LOG)
+        x, score = _scores(
+            row_ptr, cols, col_end, u3, inv_temperature, mask_args, SAMPLE, FAST_LOG, MASKED, NUM_FAR
+        )
         best, best_col, nan = _keep_best(best, best_col, nan, x, score, cols)
     top = tl.max(best, 0)
     # A lane that saw only -inf keeps column 0, so an all -inf row gives 0, as torch.argmax does.
@@ -127,29 +184,56 @@ def _chunk_kernel(
     part_score_ptr,
     part_col_ptr,
     part_nan_ptr,
+    bits_ptr,
+    far_ptr,
+    masked_rows_ptr,
     stride_row,
+    stride_bits,
+    num_direct,
     vocab,
     chunk_cols,
     num_chunks,
     SUB: tl.constexpr,
     FAST_LOG: tl.constexpr,
     USE_PDL: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_FAR: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    bits_row = bits_ptr + row.to(tl.int64) * stride_bits
     col_start = chunk * chunk_cols
     col_end = tl.minimum(col_start + chunk_cols, vocab)
     if USE_PDL:  # the logits, temperatures and seeds come from earlier kernels (or copies)
         tl.extra.cuda.gdc_wait()
     temperature = tl.load(temperature_ptr + row)
+    # a row the bitmask leaves free takes any token (a batch may mix constrained and free rows)
+    free_row = False
+    if MASKED:
+        free_row = tl.load(masked_rows_ptr + row) == 0
+    mask_args = (bits_row, num_direct, far_ptr, free_row)
     if temperature > 0:
         seed = tl.load(seeds_ptr + row)
         # capped so that a logit of 0 stays 0 (not 0 * inf) for a vanishing temperature
         inv_temperature = tl.minimum(1.0 / temperature, _INV_TEMPERATURE_MAX)
-        score, col, nan = _chunk_best(row_ptr, seed, inv_temperature, col_start, col_end, True, SUB, FAST_LOG)
+        score, col, nan = _chunk_best(
+            row_ptr,
+            seed,
+            inv_temperature,
+            col_start,
+            col_end,
+            mask_args,
+            True,
+            SUB,
+            FAST_LOG,
+            MASKED,
+            NUM_FAR,
+        )
     else:
-        score, col, nan = _chunk_best(row_ptr, 0, 1.0, col_start, col_end, False, SUB, FAST_LOG)
+        score, col, nan = _chunk_best(
+            row_ptr, 0, 1.0, col_start, col_end, mask_args, False, SUB, FAST_LOG, MASKED, NUM_FAR
+        )
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     slot = row * num_chunks + chunk
@@ -204,7 +288,9 @@ def _device_key(device: torch.device) -> torch.device:
     return device
 
 
-def _check_args(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> None:
+def _check_args(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, mask: TokenBitmask | None
+) -> None:
     if logits.dim() != 2:
         raise ValueError(
             f"sample_tokens: logits must be 2-D [num_rows, vocab], got shape {tuple(logits.shape)}"
@@ -224,19 +310,41 @@ def _check_args(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
             )
         if tensor.device != logits.device:
             raise ValueError(f"sample_tokens: {name} must be on {logits.device}, like logits")
+    if mask is not None:
+        _check_mask(mask, logits)
+
+
+def _check_mask(mask: TokenBitmask, logits: torch.Tensor) -> None:
+    rows, vocab = logits.shape
+    bits, far = mask.bits, mask.far_ids
+    grammar_ids = min(mask.num_direct, vocab) + far.numel()
+    if bits.dtype != torch.int32 or bits.dim() != 2 or bits.shape[0] != rows or bits.stride(1) != 1:
+        raise ValueError(f"sample_tokens: mask.bits must be int32 [{rows}, words] with contiguous rows")
+    if bits.shape[1] * 32 < grammar_ids:
+        raise ValueError(
+            f"sample_tokens: mask.bits has {bits.shape[1]} words a row, too few for {grammar_ids} ids"
+        )
+    if far.dtype != torch.int32 or far.dim() != 1:
+        raise ValueError("sample_tokens: mask.far_ids must be int32 [F]")
+    flags = mask.masked_rows
+    if flags.dtype != torch.int32 or flags.shape != (rows,):
+        raise ValueError(f"sample_tokens: mask.masked_rows must be int32 [{rows}]")
+    if any(t.device != logits.device for t in (bits, far, flags)):
+        raise ValueError(f"sample_tokens: the mask must be on {logits.device}, like logits")
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, *, mask: TokenBitmask | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of each row of logits [N, V] (bf16/fp16/fp32, last dim contiguous, any row stride).
 
     temperature: float32 [N], <= 0 for greedy; seeds: int64 [N], the key of each row's noise (the caller
     makes each (row, step) seed unique). Returns token_ids int64 [N] and nan_rows bool [N] (True where the
     row holds a NaN; its token is then some index in range), both on the logits' device, without any
-    host synchronisation (safe inside CUDA-graph capture once compiled).
+    host synchronisation (safe inside CUDA-graph capture once compiled). With `mask`, each row chooses
+    among the tokens its bitmask allows, as if the others' logits were -inf.
     """
-    _check_args(logits, temperature, seeds)
+    _check_args(logits, temperature, seeds, mask)
     rows, vocab = logits.shape
     device = logits.device
     token_ids = torch.empty(rows, dtype=torch.int64, device=device)
@@ -258,13 +366,20 @@ def sample_tokens(
         part_score,
         part_col,
         part_nan,
+        mask.bits if mask is not None else part_nan,  # never read unmasked
+        mask.far_ids if mask is not None else part_nan,
+        mask.masked_rows if mask is not None else part_nan,
         logits.stride(0),
+        mask.bits.stride(0) if mask is not None else 0,
+        mask.num_direct if mask is not None else 0,
         vocab,
         tiles_per_chunk * _TILE,
         num_chunks,
         SUB=_SUB,
         FAST_LOG=_fast_log_usable(device),
         USE_PDL=use_pdl,
+        MASKED=mask is not None,
+        NUM_FAR=mask.far_ids.numel() if mask is not None else 0,
         num_warps=_NUM_WARPS,
         launch_pdl=use_pdl,
     )

@@ -112,9 +112,9 @@ def test_on_the_gpu_constrained_rows_are_masked_then_fused(tiny_model_dir, monke
     monkeypatch.setattr(sampler, "_fused_inputs", counted)
     sampled_fused: list[int] = []
 
-    def sampled(logits, params, inputs):
+    def sampled(logits, params, inputs, masks):
         sampled_fused.append(len(params))
-        return sample_fused(logits, params, inputs)
+        return sample_fused(logits, params, inputs, masks)
 
     monkeypatch.setattr(sampler, "_sample_fused", sampled)
     check_overlap_and_tokens(llm, monkeypatch)
@@ -191,7 +191,7 @@ def test_the_previous_step_is_processed_while_the_fill_runs(llm, monkeypatch):
     structured = ("json_schema", SCHEMA)
     llm.generate(["one", "two two"], SamplingParams(max_tokens=24, temperature=0.0, structured=structured))
     assert len(fills) > 10
-    assert {name for name, _, _ in fills} == {"modelfleet-grammar-fill_0"}
+    assert {name for name, _, _ in fills} == {"modelfleet-grammar-fill"}
     # Each fill but the first step's (no step before it) runs beside a whole _process of the step before;
     # a loaded host may delay the engine thread past a few of the 50 ms fills.
     overlapped = sum(any(f0 <= p0 and p1 <= f1 for p0, p1 in processed) for _, f0, f1 in fills)

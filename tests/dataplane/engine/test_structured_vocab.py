@@ -85,9 +85,20 @@ def padded_model_dir(tmp_path_factory):
     return padded_demo_model(out, MODEL_VOCAB, tokenizer_vocab=TOKENIZER_VOCAB)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_padded_model_ends_its_json_on_its_far_eos(padded_model_dir, device):
+@pytest.mark.parametrize("device", [*DEVICES, "cpu-fused"])
+def test_a_padded_model_ends_its_json_on_its_far_eos(padded_model_dir, device, monkeypatch):
+    """cpu-fused: the GPU's way on the CPU, the bitmask read by the fused sampler (its kernel replaced
+    by the torch reference, which reads the bitmask the same way) rather than applied to the logits."""
+    fused = device == "cpu-fused"
+    device = "cpu" if fused else device
     llm = LLM(padded_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device=device)
+    if fused:
+        from modelfleet.dataplane.kernels import sampling
+
+        from tests.dataplane.kernels.reference import sample_tokens_native
+
+        monkeypatch.setattr(sampling, "sample_tokens", sample_tokens_native)
+        monkeypatch.setattr(llm.engine.runner.sampler, "fused", True)
     structured = ("json_schema", SCHEMA)
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     params = [
@@ -112,5 +123,5 @@ def test_a_padded_model_ends_its_json_on_its_far_eos(padded_model_dir, device):
     # The unconstrained row is not masked: most of its tokens are padded ids, as 7 in 8 of the model's.
     padded = sum(t >= TOKENIZER_VOCAB and t != EOS for t in outs[2].token_ids)
     assert padded >= len(outs[2].token_ids) // 2
-    if device == "cpu":  # and they are those it samples alone (a GPU's kernels may differ by batch)
+    if device == "cpu" and not fused:  # and they are those it samples alone (a GPU's may differ by batch)
         assert outs[2].token_ids == llm.generate("three", plain)[0].token_ids

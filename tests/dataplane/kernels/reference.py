@@ -112,20 +112,40 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def bitmask_allowed(mask, vocab: int) -> torch.Tensor:
+    """bool [N, vocab]: the model ids each row of a sampling.TokenBitmask allows, id by id (all of them
+    in a row it leaves free)."""
+    ids = torch.arange(vocab)
+    grammar_ids = torch.where(ids < mask.num_direct, ids, -1)
+    for j, far in enumerate(mask.far_ids.tolist()):
+        grammar_ids[far] = mask.num_direct + j
+    known = grammar_ids >= 0
+    bits = mask.bits.cpu().long() & 0xFFFFFFFF  # the words as unsigned
+    words = bits[:, grammar_ids.clamp(min=0) // 32]
+    allowed = ((words >> (grammar_ids.clamp(min=0) % 32)) & 1).bool() & known
+    free = mask.masked_rows.cpu() == 0
+    return (allowed | free[:, None]).to(mask.bits.device)
+
+
 def sample_tokens_native(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     generator: torch.Generator | None = None,
+    *,
+    mask=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token of each row of logits [N, V]: the first index of the max where temperature <= 0,
     else a Gumbel-max draw from softmax(logits / T): argmax_j(logits_j / T + g_j), g = -log(-log(u)).
 
     The uniforms come from `generator` when given; otherwise row i's come from a generator seeded with
     seeds[i], so that a row's token depends only on its seed and logits (not the same stream as the
-    kernel's Philox). Returns token_ids int64 [N] and nan_rows bool [N] (rows holding a NaN).
+    kernel's Philox). Returns token_ids int64 [N] and nan_rows bool [N] (rows holding a NaN). With a
+    `mask` (sampling.TokenBitmask), the ids it does not allow are -inf first.
     """
     x = logits.float()
+    if mask is not None:
+        x = x.masked_fill(~bitmask_allowed(mask, x.shape[1]), float("-inf"))
     nan_rows = x.isnan().any(dim=-1)
     if generator is not None:
         u = torch.rand(x.shape, generator=generator, device=x.device)

@@ -359,3 +359,116 @@ def test_native_flags_nan_rows():
     tokens, nan_rows = sample_tokens_native(logits, torch.tensor([0.0, 0.0, 1.0]), distinct_seeds(3))
     assert nan_rows.tolist() == [False, True, False]
     assert ((tokens >= 0) & (tokens < 50)).all()
+
+
+# ----------------------------------------------------------------------------- grammar bitmasks
+
+
+def padded_mask(rows: int, vocab: int, device, allow: float = 0.3, seed: int = 0):
+    """A TokenBitmask over a vocabulary padded past its tokenizer: the first vocab - 40 ids direct, two
+    far stops (vocab - 7 and vocab - 1) after them, random bits (each id allowed with `allow`)."""
+    from modelfleet.dataplane.kernels.sampling import TokenBitmask
+
+    num_direct = vocab - 40
+    g = torch.Generator().manual_seed(seed)
+    grammar_ids = num_direct + 2
+    words = (grammar_ids + 31) // 32
+    allowed = torch.rand(rows, words * 32, generator=g) < allow
+    packed = (allowed.view(rows, words, 32).long() << torch.arange(32)).sum(-1)
+    bits = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    far = torch.tensor([vocab - 7, vocab - 1], dtype=torch.int32)
+    masked_rows = torch.ones(rows, dtype=torch.int32)
+    return TokenBitmask(bits.to(device), num_direct, far.to(device), masked_rows.to(device))
+
+
+@gpu
+@pytest.mark.parametrize("vocab", [1000, LLAMA3_VOCAB])
+def test_a_bitmask_limits_each_row_to_its_allowed_tokens(device, vocab):
+    from modelfleet.dataplane.kernels.sampling import sample_tokens
+
+    from tests.dataplane.kernels.reference import bitmask_allowed
+
+    rows = 7
+    mask = padded_mask(rows, vocab, device)
+    logits = random_logits(rows, vocab, torch.float32, device)
+    # row 6 is free (an unconstrained request's): its best logit, on a padded id, stays
+    mask.masked_rows[6] = 0
+    mask.bits[6] = 0
+    logits[6, vocab - 20] = 1e4
+    # row 1: the best logits sit on padded ids no grammar has, then on a far stop it does not allow
+    logits[1, vocab - 20] = 1e4
+    logits[1, vocab - 7] = 1e3
+    first_far = mask.num_direct  # grammar id of vocab - 7: its bit cleared
+    mask.bits[1, first_far // 32] &= ~(1 << (first_far % 32))
+    # row 2: only one far stop allowed, and NaN in a column the mask removes
+    mask.bits[2] = 0
+    far_bit = mask.num_direct + 1  # grammar id of vocab - 1
+    mask.bits[2, far_bit // 32] = 1 << (far_bit % 32)
+    logits[2, 5] = float("nan")
+    temperature = torch.tensor([0.0, 0.0, 1.0, 0.7, 0.0, 2.0, 0.0])
+    tokens, nan_rows = sample_tokens(
+        logits, temperature.to(device), distinct_seeds(rows).to(device), mask=mask
+    )
+    allowed = bitmask_allowed(mask, vocab)
+    assert allowed[torch.arange(rows), tokens].all()
+    assert tokens[2].item() == vocab - 1
+    assert not nan_rows.any()
+    masked = logits.float().masked_fill(~allowed, float("-inf"))
+    greedy = temperature == 0
+    assert torch.equal(tokens[greedy], masked.argmax(dim=-1)[greedy.to(device)])
+    assert tokens[1].item() not in (vocab - 20, vocab - 7)
+    assert tokens[6].item() == vocab - 20
+
+
+@gpu
+def test_a_bitmask_draw_follows_the_masked_softmax(device):
+    from modelfleet.dataplane.kernels.sampling import TokenBitmask, sample_tokens
+
+    row = torch.tensor(SMALL_LOGITS, device=device)
+    rows = 4000
+    allowed = [0, 2, 3, 6]
+    word = sum(1 << i for i in allowed)
+    bits = torch.full((rows, 1), word, dtype=torch.int32, device=device)
+    no_far = torch.zeros(0, dtype=torch.int32, device=device)
+    mask = TokenBitmask(bits, len(SMALL_LOGITS), no_far, torch.ones(rows, dtype=torch.int32, device=device))
+    tokens, _ = sample_tokens(
+        row.expand(rows, -1).contiguous(),
+        torch.ones(rows, device=device),
+        distinct_seeds(rows, salt=5).to(device),
+        mask=mask,
+    )
+    kept = torch.full_like(row, float("-inf"))
+    kept[allowed] = row[allowed]
+    assert_draws_follow(tokens, kept, 1.0)
+
+
+@gpu
+def test_a_bad_bitmask_is_refused(device):
+    from modelfleet.dataplane.kernels.sampling import TokenBitmask, sample_tokens
+
+    logits = torch.randn(2, 100, device=device)
+    temperature, seeds = torch.zeros(2, device=device), torch.arange(2, device=device)
+    none_far = torch.zeros(0, dtype=torch.int32, device=device)
+    flags = torch.ones(2, dtype=torch.int32, device=device)
+    few = TokenBitmask(torch.zeros(2, 3, dtype=torch.int32, device=device), 100, none_far, flags)
+    with pytest.raises(ValueError, match="3 words a row, too few for 100 ids"):
+        sample_tokens(logits, temperature, seeds, mask=few)
+    wrong_rows = TokenBitmask(torch.zeros(3, 4, dtype=torch.int32, device=device), 100, none_far, flags)
+    with pytest.raises(ValueError, match=r"mask.bits must be int32 \[2, words\]"):
+        sample_tokens(logits, temperature, seeds, mask=wrong_rows)
+    bits = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"mask.masked_rows must be int32 \[2\]"):
+        sample_tokens(logits, temperature, seeds, mask=TokenBitmask(bits, 100, none_far, flags[:1]))
+
+
+def test_native_bitmask_reference_reads_bits_and_far_ids():
+    from modelfleet.dataplane.kernels.sampling import TokenBitmask
+
+    from tests.dataplane.kernels.reference import bitmask_allowed
+
+    # 40 direct ids, far stop 45 as grammar id 40; bit 31 (the sign bit) and bit 40 set, and 3
+    bits = torch.tensor([[-(2**31) | (1 << 3), 1 << 8]], dtype=torch.int32)
+    mask = TokenBitmask(bits.expand(2, -1), 40, torch.tensor([45], dtype=torch.int32), torch.tensor([1, 0]))
+    allowed = bitmask_allowed(mask, 48)
+    assert allowed[0].nonzero().flatten().tolist() == [3, 31, 45]
+    assert allowed[1].all()  # a free row

@@ -29,6 +29,8 @@ CASES = [
     "test_kernel_fp8_kv.py::test_bad_scales_are_refused",
     "test_kernel_sampling.py::test_greedy_is_torch_argmax[False-1000-3-dtype2]",
     "test_kernel_sampling.py::test_nan_rows_are_flagged_and_others_not[1000-dtype2]",
+    "test_kernel_sampling.py::test_a_bitmask_limits_each_row_to_its_allowed_tokens[1000]",
+    "test_kernel_sampling.py::test_a_bad_bitmask_is_refused",
 ]
 
 
