@@ -69,7 +69,9 @@ def _load_x(ptrs, cols, k_end, row_ok, EVEN_K: tl.constexpr, MASK_M: tl.constexp
 @triton.jit
 def _row_dot(
     acc,
+    ss,
     w,
+    gw,
     x_ptrs,
     cols,
     k_end,
@@ -79,9 +81,11 @@ def _row_dot(
     MASK_M: tl.constexpr,
     AT_END: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """acc + w [BLOCK_N, BLOCK_K] (fp32) times one row of x at `cols` (SILU_MUL: of silu(gate) * up, the
-    row being [gate | up] with up K elements after gate)."""
+    row being [gate | up] with up K elements after gate; NORM: of x * gw, the norm's weight, with x's
+    squares added to ss)."""
     x = _load_x(x_ptrs + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
     if SILU_MUL:
         up = _load_x(x_ptrs + K + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
@@ -89,10 +93,13 @@ def _row_dot(
         xf = silu_and_mul_f32(x, up).to(x.dtype).to(tl.float32)
     else:
         xf = x.to(tl.float32)
+    if NORM:
+        ss += xf * xf
+        xf = xf * gw
     prod = w * xf[None, :]
     if not AT_END:
         prod = tl.sum(prod, axis=1)
-    return acc + prod
+    return acc + prod, ss
 
 
 @triton.jit
@@ -126,9 +133,14 @@ def _rows_dot(
     acc1,
     acc2,
     acc3,
+    ss0,
+    ss1,
+    ss2,
+    ss3,
     w,
     x_rows,
     stride_xm,
+    norm_ptr,
     cols,
     k_end,
     m0,
@@ -139,37 +151,56 @@ def _rows_dot(
     MASK_M: tl.constexpr,
     AT_END: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """One fp32 weight tile times up to 4 rows of x (the columns of x at `cols`)."""
-    acc0 = _row_dot(acc0, w, x_rows, cols, k_end, m0 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
+    gw = 0.0
+    if NORM:  # the norm's weight at these columns, shared by the rows
+        gw = _load_x(norm_ptr + cols, cols, k_end, True, EVEN_K, False).to(tl.float32)
+    acc0, ss0 = _row_dot(
+        acc0, ss0, w, gw, x_rows, cols, k_end, m0 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM
+    )
     if BLOCK_M > 1:
         x1 = x_rows + stride_xm
-        acc1 = _row_dot(acc1, w, x1, cols, k_end, m0 + 1 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
+        acc1, ss1 = _row_dot(
+            acc1, ss1, w, gw, x1, cols, k_end, m0 + 1 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM
+        )
     if BLOCK_M > 2:
         x2 = x_rows + 2 * stride_xm
-        acc2 = _row_dot(acc2, w, x2, cols, k_end, m0 + 2 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
+        acc2, ss2 = _row_dot(
+            acc2, ss2, w, gw, x2, cols, k_end, m0 + 2 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM
+        )
     if BLOCK_M > 3:
         x3 = x_rows + 3 * stride_xm
-        acc3 = _row_dot(acc3, w, x3, cols, k_end, m0 + 3 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL)
-    return acc0, acc1, acc2, acc3
+        acc3, ss3 = _row_dot(
+            acc3, ss3, w, gw, x3, cols, k_end, m0 + 3 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM
+        )
+    return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
 @triton.jit
 def _store_row(
     acc,
+    ss,
     m,
     M,
     rows,
     N,
+    K,
+    eps,
     out_ptr,
     bias_ptr,
     scale_ptr,
+    residual_ptr,
     stride_om,
+    stride_rm,
     pid_k,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     PARTIAL: tl.constexpr,
     AT_END: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
     if AT_END:
         acc = tl.sum(acc, axis=1)
@@ -177,10 +208,14 @@ def _store_row(
     if PARTIAL:  # fp32 partial sums laid out [SPLIT_K, M, N], scaled once they are added up
         tl.store(out_ptr + (pid_k * M + m) * N + rows, acc, mask=mask)
     else:
+        if NORM:  # the row's 1 / rms, known once all of K was swept, scales the finished sums
+            acc *= tl.rsqrt(tl.sum(ss, 0) / K + eps)
         if HAS_SCALE:
             acc *= tl.load(scale_ptr + rows, mask=rows < N, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        if ADD_RESIDUAL:  # read and written by this program alone: out_ptr may be residual_ptr
+            acc += tl.load(residual_ptr + m * stride_rm + rows, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -191,13 +226,17 @@ def _gemv_kernel(
     bias_ptr,
     scale_ptr,
     out_ptr,
+    norm_ptr,
+    residual_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
     k_per_split,
+    eps,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     PARTIAL: tl.constexpr,
@@ -211,8 +250,13 @@ def _gemv_kernel(
     PACKED: tl.constexpr,
     FP8: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
     # SILU_MUL: x's rows are [gate | up] (2K wide) and the activation is silu(gate) * up
+    # NORM: x is RMS-normalized with the weight at norm_ptr: the sums are of x * weight, and the squares
+    # of x, gathered along the same sweep of K, give the 1 / rms that scales them at the end
+    # ADD_RESIDUAL: the row at residual_ptr is added to the result (out_ptr may be residual_ptr)
     # PACKED: w_ptr is the 1-byte weight seen as int32 words, 4 weights each; a tile is BLOCK_K // 4 words
     PACK: tl.constexpr = 4 if PACKED else 1
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
@@ -235,6 +279,10 @@ def _gemv_kernel(
     acc1 = acc0  # (only the first BLOCK_M are used)
     acc2 = acc0
     acc3 = acc0
+    ss0 = tl.zeros([BLOCK_W], dtype=tl.float32)  # each row's squares, for NORM
+    ss1 = ss0
+    ss2 = ss0
+    ss3 = ss0
     # The first weight tile is loaded before waiting for the previous kernel (programmatic dependent
     # launch): the weights never depend on it, only x does. Later tiles are loaded one iteration ahead.
     cols = k_start // PACK + offs_w
@@ -262,14 +310,19 @@ def _gemv_kernel(
             )
         # a packed tile is 4 parts, byte j of int32 word c being weight column 4c + j; a plain one is 1
         for j in tl.static_range(PACK):
-            acc0, acc1, acc2, acc3 = _rows_dot(
+            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _rows_dot(
                 acc0,
                 acc1,
                 acc2,
                 acc3,
+                ss0,
+                ss1,
+                ss2,
+                ss3,
                 _weight_part(w, j, PACKED, FP8),
                 x_rows,
                 stride_xm,
+                norm_ptr,
                 cols * PACK + j,
                 k_end,
                 m0,
@@ -280,74 +333,103 @@ def _gemv_kernel(
                 MASK_M,
                 REDUCE_AT_END,
                 SILU_MUL,
+                NORM,
             )
         w = w_next
     _store_row(
         acc0,
+        ss0,
         m0,
         M,
         rows,
         N,
+        K,
+        eps,
         out_ptr,
         bias_ptr,
         scale_ptr,
+        residual_ptr,
         stride_om,
+        stride_rm,
         pid_k,
         HAS_BIAS,
         HAS_SCALE,
         PARTIAL,
         REDUCE_AT_END,
+        NORM,
+        ADD_RESIDUAL,
     )
     if BLOCK_M > 1:
         _store_row(
             acc1,
+            ss1,
             m0 + 1,
             M,
             rows,
             N,
+            K,
+            eps,
             out_ptr,
             bias_ptr,
             scale_ptr,
+            residual_ptr,
             stride_om,
+            stride_rm,
             pid_k,
             HAS_BIAS,
             HAS_SCALE,
             PARTIAL,
             REDUCE_AT_END,
+            NORM,
+            ADD_RESIDUAL,
         )
     if BLOCK_M > 2:
         _store_row(
             acc2,
+            ss2,
             m0 + 2,
             M,
             rows,
             N,
+            K,
+            eps,
             out_ptr,
             bias_ptr,
             scale_ptr,
+            residual_ptr,
             stride_om,
+            stride_rm,
             pid_k,
             HAS_BIAS,
             HAS_SCALE,
             PARTIAL,
             REDUCE_AT_END,
+            NORM,
+            ADD_RESIDUAL,
         )
     if BLOCK_M > 3:
         _store_row(
             acc3,
+            ss3,
             m0 + 3,
             M,
             rows,
             N,
+            K,
+            eps,
             out_ptr,
             bias_ptr,
             scale_ptr,
+            residual_ptr,
             stride_om,
+            stride_rm,
             pid_k,
             HAS_BIAS,
             HAS_SCALE,
             PARTIAL,
             REDUCE_AT_END,
+            NORM,
+            ADD_RESIDUAL,
         )
 
 
@@ -471,6 +553,8 @@ def gemv(
     scale: torch.Tensor | None = None,
     config: GemvConfig | None = None,
     silu_mul: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ weight.T (+ bias) for a few rows of x; weight [N, K] with contiguous rows.
 
@@ -479,9 +563,16 @@ def gemv(
 
     silu_mul: x is [..., 2K], a gated MLP's [gate | up], and the product is silu_and_mul(x) @ weight.T,
     the activation computed on the fly: equal to running the silu_and_mul kernel first at the same `config`
-    (the default one may take wider row blocks, summing in another order)."""
+    (the default one may take wider row blocks, summing in another order).
+
+    norm (norm_weight [K], eps): the product is rms_norm(x) * norm_weight @ weight.T, the norm computed in
+    the same sweep of K (float32 throughout, where the norm kernel rounds its output to x's dtype first).
+    residual [..., N] in x's dtype: the product is added to it, in place, and residual is returned.
+    Either one keeps K whole in each program (no split)."""
     if silu_mul and x.shape[-1] % 2:
         raise ValueError(f"gemv: silu_mul needs x [..., 2K] ([gate | up]), got last dim {x.shape[-1]}")
+    if silu_mul and norm is not None:
+        raise ValueError("gemv: norm and silu_mul do not go together (a norm's input is the linear's x)")
     k = x.shape[-1] // 2 if silu_mul else x.shape[-1]
     n = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -502,16 +593,31 @@ def gemv(
         raise ValueError(f"gemv: x is {x.dtype} but weight is {weight.dtype}; cast one of them")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"gemv: bias must be [{n}], got {list(bias.shape)}")
+    if norm is not None and (norm[0].shape != (k,) or not norm[0].is_contiguous()):
+        raise ValueError(f"gemv: the norm's weight must be contiguous [{k}], got {list(norm[0].shape)}")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if residual is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        want = (*x.shape[:-1], n)
+        if residual.shape != want or residual.dtype != x.dtype or residual.stride(-1) != 1:
+            raise ValueError(
+                f"gemv: residual must be {x.dtype} {list(want)} with a contiguous last dim, got "
+                f"{residual.dtype} {list(residual.shape)}"
+            )
+        out = residual.view(m, n)
     if m == 0 or n == 0:
         return out.reshape(*x.shape[:-1], n)
     if k == 0:
-        return out.zero_().add_(bias if bias is not None else 0).reshape(*x.shape[:-1], n)
+        if residual is None:
+            out.zero_()
+        return out.add_(bias if bias is not None else 0).reshape(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k, _num_sms(x.device), weight.element_size(), silu_mul)
+    if norm is not None or residual is not None:
+        cfg = dataclasses.replace(cfg, split_k=1)  # the norm needs all of K; the add, the whole sums
     if cfg.block_n & (cfg.block_n - 1) or cfg.block_k & (cfg.block_k - 1):
         raise ValueError(f"gemv: block_n and block_k must be powers of 2, got {cfg}")
     rows_per_program = min(m, MAX_ROWS_PER_PROGRAM)
@@ -532,19 +638,24 @@ def gemv(
     packed = scale is not None and cfg.decode_bits and whole_words and block_k >= 64
     w_arg = weight.view(torch.int32) if packed else weight
     grid = (triton.cdiv(n, cfg.block_n), split_k, triton.cdiv(m, rows_per_program))
+    norm_arg = norm[0] if norm is not None else out  # never read without NORM
     _gemv_kernel[grid](
         x2,
         w_arg,
         bias_arg,
         scale_arg,
         target,
+        norm_arg,
+        out,  # the residual, added in place (read only with ADD_RESIDUAL)
         m,
         n,
         k,
         x2.stride(0),
         w_arg.stride(0),
         out.stride(0),
+        out.stride(0),
         k_per_split,
+        norm[1] if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None,
         PARTIAL=partial,
@@ -558,6 +669,8 @@ def gemv(
         PACKED=packed,
         FP8=weight.dtype == torch.float8_e4m3fn,
         SILU_MUL=silu_mul,
+        NORM=norm is not None,
+        ADD_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps,
         launch_pdl=cfg.use_pdl and pdl,
     )

@@ -93,8 +93,21 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
+        out = self.o_proj(self.attend(self.qkv_proj(hidden), rotary, cos, sin, kv_cache, attn_metadata))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [T, q + k + v]: qkv_proj's output
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotary, the KV-cache write and attention: [T, heads * head_dim], o_proj's input."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -109,8 +122,7 @@ class LlamaAttention(nn.Module):
         out = self.backend.forward(
             q, kv_cache, attn_metadata, self.scale, key=k, value=v, sliding_window=window, **scales
         )
-        out = self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -154,25 +166,70 @@ def silu_mul_down_gemv(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor |
     the built-in CUDA ops would run silu_and_mul's kernel and then down as the GEMV for these rows (decode
     on CUDA with Triton; bf16/fp16 or QuantizedLinear int8/fp8 weights); else None (prefill, CPU, float32,
     an op a user registered)."""
-    device_type = gate_up.device.type
-    if get_op("silu_and_mul", device_type) is not registry.silu_and_mul:
+    if get_op("silu_and_mul", gate_up.device.type) is not registry.silu_and_mul:
         return None
-    # gate_up has the activation's rows and dtype, all that the checks below look at
-    if isinstance(down, QuantizedLinear):
-        applies, scale = down._gemv_applies(gate_up), down.weight_scale
-    elif isinstance(down, Linear):
-        builtin = get_op("linear", device_type) is registry.linear
-        applies, scale = builtin and registry.gemv_applies(gate_up, down.weight), None
-    else:
-        return None
-    if not applies:
+    # gate_up has the activation's rows and dtype, all that the checks look at
+    operands = gemv_operands(down, gate_up)
+    if operands is None:
         return None
     from modelfleet.dataplane.kernels.gemv import gemv
 
-    return gemv(gate_up, down.weight, down.bias, scale=scale, silu_mul=True)
+    weight, bias, scale = operands
+    return gemv(gate_up, weight, bias, scale=scale, silu_mul=True)
+
+
+def gemv_operands(
+    linear: nn.Module, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(weight, bias, scale or None) where the built-in ops multiply x by `linear` with the Triton GEMV
+    (decode rows on CUDA: bf16/fp16 Linear, QuantizedLinear int8/fp8), else None."""
+    if isinstance(linear, QuantizedLinear):
+        return (linear.weight, linear.bias, linear.weight_scale) if linear._gemv_applies(x) else None
+    if isinstance(linear, Linear) and get_op("linear", x.device.type) is registry.linear:
+        return (linear.weight, linear.bias, None) if registry.gemv_applies(x, linear.weight) else None
+    return None
+
+
+def norms_fuse(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> bool:
+    """Whether decode rows `hidden` run `layer` with its norms and residual adds inside its GEMVs
+    (LlamaDecoderLayer.forward_fused): one device, the built-in norm kernel, and each of the four
+    projections a GEMV for these rows."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not layer.fuse_norms or attn.tp is not None:
+        return False
+    if get_op("fused_add_rms_norm", hidden.device.type) is not registry.fused_add_rms_norm:
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(gemv_operands(linear, hidden) is not None for linear in linears)
+
+
+def norm_gemv(linear: nn.Module, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """linear(norm(residual)), the norm computed inside the GEMV (norms_fuse held)."""
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    operands = gemv_operands(linear, residual)
+    assert operands is not None  # norms_fuse held
+    weight, bias, scale = operands
+    return gemv(residual, weight, bias, scale=scale, norm=(norm.weight, norm.eps))
+
+
+def add_gemv(
+    linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, silu_mul: bool = False
+) -> torch.Tensor:
+    """residual += linear(x) (of silu_and_mul(x) with silu_mul), in place, in the GEMV's epilogue."""
+    from modelfleet.dataplane.kernels.gemv import gemv
+
+    operands = gemv_operands(linear, residual)
+    assert operands is not None  # norms_fuse held
+    weight, bias, scale = operands
+    return gemv(x, weight, bias, scale=scale, silu_mul=silu_mul, residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Decode rows whose four projections all run as the GEMV take forward_fused: two kernels less per
+    # layer. False (on the class or one layer) keeps the norm kernels.
+    fuse_norms = True
+
     def __init__(
         self,
         config: ModelConfig,
@@ -205,6 +262,27 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, rotary, cos, sin, kv_cache, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_fused(
+        self,
+        residual: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The layer on the residual stream alone, for decode rows (norms_fuse): each RMSNorm is computed
+        by the GEMV that reads its output (qkv, gate_up) and each residual add by the GEMV whose output
+        it adds (o, down), in place. Returns the stream (the same tensor)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = norm_gemv(attn.qkv_proj, residual, self.input_layernorm)
+        out = attn.attend(qkv, rotary, cos, sin, kv_cache, attn_metadata)
+        residual = add_gemv(attn.o_proj, out, residual)
+        gate_up = norm_gemv(mlp.gate_up_proj, residual, self.post_attention_layernorm)
+        if mlp.fuse_silu_mul and get_op("silu_and_mul", gate_up.device.type) is registry.silu_and_mul:
+            return add_gemv(mlp.down_proj, gate_up, residual, silu_mul=True)
+        return add_gemv(mlp.down_proj, mlp.act(gate_up), residual)
 
 
 class LlamaModel(nn.Module):
@@ -261,6 +339,11 @@ class LlamaForCausalLM(nn.Module):
             )
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        layers = self.model.layers
+        if len(layers) and norms_fuse(layers[0], hidden):  # every layer is built alike
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden = layer.forward_fused(hidden, self.rotary, cos, sin, kv_cache, attn_metadata)
+            return self.model.norm(hidden)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, self.rotary, cos, sin, kv_cache, attn_metadata)

@@ -194,14 +194,14 @@ def random_llama(device, weights):
     return model.requires_grad_(False)
 
 
-def decode_step(model, batch, device):
+def decode_step(model, batch, device, kv_dtype=torch.bfloat16):
     """One decode token per sequence, each with its own blocks and a context of a few blocks."""
     from modelfleet.dataplane.attention import AttentionMetadata
 
     gen = torch.Generator().manual_seed(batch)
     kv_caches = [
         torch.randn(2, batch * BLOCKS_PER_SEQ, BLOCK_SIZE, KV_HEADS, HIDDEN // HEADS, generator=gen).to(
-            device, torch.bfloat16
+            device, kv_dtype
         )
         for _ in range(LAYERS)
     ]
