@@ -200,3 +200,50 @@ def test_llama_decode_graphs_match_eager(device):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
         for g, e in zip(graph_caches, eager_caches, strict=True):
             torch.testing.assert_close(g, e, atol=1e-2, rtol=1e-2)
+
+
+def test_packed_buffers_send_a_steps_host_inputs_in_one_copy():
+    """The buffers' layout (the largest last, 16-byte aligned), their contents kept, and a send: the whole
+    mirror up to the rows asked of the last buffer, around the buffers a device input owns."""
+    from modelfleet.dataplane.kernels.cuda_graphs import PackedBuffers
+
+    given = {
+        "tables": torch.arange(4 * 6, dtype=torch.int32).view(4, 6),
+        "ids": torch.arange(4, dtype=torch.long) + 100,
+        "lens": torch.full((4,), 7, dtype=torch.int32),
+    }
+    packed = PackedBuffers(given)
+    assert packed.last == "tables"
+    assert all(offset % 16 == 0 for offset in packed.offsets.values())
+    assert max(packed.offsets, key=packed.offsets.__getitem__) == "tables"
+    for name, buf in given.items():
+        assert torch.equal(packed.device_views[name], buf)
+    copies = []
+    real_copy = packed._copy
+    packed._copy = lambda start, end: (copies.append((start, end)), real_copy(start, end))
+
+    packed.host_views["ids"][:2] = [5, 6]
+    packed.host_views["tables"][:2] = -1
+    packed.host_views["tables"][2:] = -2  # rows past the ones sent stay on the host
+    packed.send(last_rows=2)
+    assert len(copies) == 1
+    assert packed.device_views["ids"].tolist() == [5, 6, 102, 103]
+    assert (packed.device_views["tables"][:2] == -1).all()
+    assert torch.equal(packed.device_views["tables"][2:], given["tables"][2:])
+
+    copies.clear()
+    packed.device_views["ids"].fill_(9)  # written on the device: its mirror is stale
+    packed.host_views["ids"][:] = 0
+    packed.host_views["lens"][:] = 1
+    packed.send(last_rows=4, skip={"ids"})
+    assert len(copies) == 2  # around "ids", between the smaller "lens" and "tables"
+    assert packed.device_views["ids"].tolist() == [9] * 4
+    assert packed.device_views["lens"].tolist() == [1] * 4
+    assert (packed.device_views["tables"][2:] == -2).all()
+
+
+def test_packed_buffers_refuse_a_strided_buffer():
+    from modelfleet.dataplane.kernels.cuda_graphs import PackedBuffers
+
+    with pytest.raises(ValueError, match="'x' must be contiguous"):
+        PackedBuffers({"x": torch.zeros(4, 4).t()})
