@@ -194,16 +194,18 @@ def random_llama(device, weights):
     return model.requires_grad_(False)
 
 
-def decode_step(model, batch, device, kv_dtype=torch.bfloat16):
-    """One decode token per sequence, each with its own blocks and a context of a few blocks."""
+def decode_step(model, batch, device, kv_dtype=torch.bfloat16, caches: list | None = None):
+    """One decode token per sequence, each with its own blocks and a context of a few blocks: the logits
+    (the KV caches written, appended to `caches`)."""
     from modelfleet.dataplane.attention import AttentionMetadata
 
+    config = model.config
     gen = torch.Generator().manual_seed(batch)
     kv_caches = [
-        torch.randn(2, batch * BLOCKS_PER_SEQ, BLOCK_SIZE, KV_HEADS, HIDDEN // HEADS, generator=gen).to(
-            device, kv_dtype
-        )
-        for _ in range(LAYERS)
+        torch.randn(
+            2, batch * BLOCKS_PER_SEQ, BLOCK_SIZE, config.num_kv_heads, config.head_dim, generator=gen
+        ).to(device, kv_dtype)
+        for _ in range(config.num_layers)
     ]
     seq_lens = torch.randint(1, BLOCKS_PER_SEQ * BLOCK_SIZE + 1, (batch,), generator=gen)
     tables = torch.arange(batch * BLOCKS_PER_SEQ).view(batch, BLOCKS_PER_SEQ)
@@ -217,7 +219,9 @@ def decode_step(model, batch, device, kv_dtype=torch.bfloat16):
         max_query_len=1,
         max_seq_len=int(seq_lens.max()),
     )
-    input_ids = torch.randint(0, VOCAB, (batch,), generator=gen).to(device)
+    input_ids = torch.randint(0, config.vocab_size, (batch,), generator=gen).to(device)
+    if caches is not None:
+        caches.extend(kv_caches)
     with torch.inference_mode():
         hidden = model(input_ids, last.to(device), kv_caches, meta)
         return model.compute_logits(hidden)
