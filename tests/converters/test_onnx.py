@@ -80,8 +80,11 @@ def test_int8_through_the_cli(tiny_model_dir, convert_cache, onnx_fp32, tmp_path
     assert json.loads(log.read_text()) == summary
     assert (summary["format"], summary["dtype"]) == ("onnx", "int8")  # cpu int8 defaults to onnxruntime
     assert summary["validation"]["passed"] and summary["validation"]["top1Agreement"] >= 0.85
-    ops = {n.op_type for n in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.node}
-    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {n.op_type for n in graph.node}
+    # the output projection stays float (as the torch artifacts' lm_head does by default)
+    (head,) = [n for n in graph.node if "logits" in n.output]
+    assert head.op_type == "MatMul", head.op_type
     fp32_dir, _ = onnx_fp32
     assert (out / "model.onnx.data").stat().st_size < 0.6 * (fp32_dir / "model.onnx.data").stat().st_size
 
