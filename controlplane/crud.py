@@ -354,6 +354,7 @@ def create_version(
         source_format=version_in.source.format,
         digest=version_in.source.sha256,
         quantization=version_in.quantization,
+        quantize_lm_head=version_in.quantize_lm_head,
         targets=[t.model_dump() for t in version_in.targets],
         parent_id=parent.id if parent else None,
         meta=version_in.metadata,

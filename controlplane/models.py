@@ -5,7 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -110,6 +121,7 @@ class ModelVersion(Base):
     source_format: Mapped[str] = mapped_column(String(32))
     digest: Mapped[str | None] = mapped_column(String(64), default=None)  # sha256 of the source
     quantization: Mapped[str] = mapped_column(String(16), default="none")
+    quantize_lm_head: Mapped[bool] = mapped_column(default=False, server_default=false())
     targets: Mapped[list[Any]] = mapped_column(default=list)
     parent_id: Mapped[int | None] = mapped_column(
         ForeignKey("model_versions.id", ondelete="SET NULL"), default=None, index=True

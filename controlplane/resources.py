@@ -123,6 +123,7 @@ def model_version(tenant: Tenant, model: Model, version: ModelVersion) -> dict[s
         version=version.name,
         source=api.Source(uri=version.source_uri, format=version.source_format, sha256=version.digest),
         quantization=version.quantization,
+        quantize_lm_head=bool(version.quantize_lm_head),  # None on a row not yet flushed: the default
         targets=[api.Target(**target) for target in version.targets],
     )
     meta = _meta(version_object_name(model.name, version.name), tenant)

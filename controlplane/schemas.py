@@ -9,8 +9,24 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from modelfleet.converters.formats import ACCELERATORS
 from modelfleet.dataplane.errorbody import ErrorBody, ErrorDetail  # noqa: F401  (the one error shape)
 from modelfleet.dataplane.jsonpaths import first_bad_string
-from modelfleet.operator.api import STICKY_BY_PATTERN, Quantization, SourceFormat, TargetDtype, TargetFormat
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from modelfleet.operator.api import (
+    LM_HEAD_NEEDS_QUANTIZATION,
+    STICKY_BY_PATTERN,
+    Quantization,
+    SourceFormat,
+    TargetDtype,
+    TargetFormat,
+)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # Kubernetes object names: tenants, models and versions become namespaces and CR names; the ModelVersion
 # CR is named `<model>-<version>`, which keeps the two together within a DNS label.
@@ -223,9 +239,20 @@ class VersionCreate(Strict):
     version: VersionName
     source: Source
     quantization: Quantization = "none"
+    quantize_lm_head: bool = Field(
+        default=False, description="int8/fp8: quantize lm_head too (the ModelVersion's quantizeLmHead)"
+    )
     parent: VersionName | None = Field(default=None, description="the version these weights derive from")
     targets: list[Target] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("quantize_lm_head")
+    @classmethod
+    def _lm_head_needs_quantization(cls, quantize_lm_head: bool, info: ValidationInfo) -> bool:
+        # the CRD's rule, answered here as a 422 rather than by the API server when the CR is applied
+        if quantize_lm_head and info.data.get("quantization", "int8") == "none":
+            raise ValueError(f"{LM_HEAD_NEEDS_QUANTIZATION}; set quantization to int8 or fp8")
+        return quantize_lm_head
 
 
 class ArtifactPublic(Public):
@@ -244,6 +271,7 @@ class VersionPublic(BaseModel):
     version: str
     source: Source
     quantization: str
+    quantize_lm_head: bool
     parent: str | None
     targets: list[Target]
     metadata: dict[str, Any]

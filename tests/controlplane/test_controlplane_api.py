@@ -222,6 +222,17 @@ def test_versions_lineage_filters_and_delete_rules(client: TestClient, factory: 
 
     body = store.find("ModelVersion", f"{model}-v2", tenant)
     assert validate_model_version(body).spec.quantization == "fp8"
+    assert not body["spec"].get("quantizeLmHead")
+    v5 = factory.version(tenant, model, "v5", headers, quantization="int8", quantize_lm_head=True)
+    assert v5["quantize_lm_head"] and not v1["quantize_lm_head"]
+    spec = validate_model_version(store.find("ModelVersion", f"{model}-v5", tenant)).spec
+    assert (spec.quantization, spec.quantize_lm_head) == ("int8", True)
+    no_quantization = client.post(
+        url, json={"version": "v6", "source": {"uri": "s3://b/v6"}, "quantize_lm_head": True}, headers=headers
+    )
+    assert no_quantization.status_code == 422
+    assert no_quantization.json()["error"]["param"] == "quantize_lm_head"
+    assert "quantization int8 or fp8" in no_quantization.json()["error"]["message"]
 
     factory.traffic(tenant, model, {"v1": 100}, headers)
     busy = client.delete(f"{url}/v1", headers=headers)

@@ -147,3 +147,45 @@ def test_a_waiting_replica_says_when_the_database_is_unreachable():
         ready = client.get("/ready")
         assert ready.status_code == 503
         assert ready.json()["error"]["message"].startswith("database not ready: database unreachable (")
+
+
+def test_versions_recorded_before_0002_read_quantize_lm_head_false(empty_database):
+    """A database at 0001 holding a version is upgraded in place: the version stays, not quantizing its
+    lm_head (what it was built without)."""
+    from alembic import command
+
+    engine = db.make_engine(make_settings(empty_database))
+    config = db.alembic_config()
+    try:
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0001")
+            now = "CURRENT_TIMESTAMP"
+            connection.execute(
+                text(
+                    "INSERT INTO tenants (name, namespace, gpu_quota, token_rate_limit, allowed_models, "
+                    "created_at, updated_at, version) "
+                    f"VALUES ('acme', 'acme-ns', 0, 0, '[]', {now}, {now}, 1)"
+                )
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO models (tenant_id, name, description, accelerator, gpu_count, min_replicas, "
+                    "max_replicas, sticky_by, loading, traffic, created_at, created_by, updated_at, version) "
+                    f"VALUES (1, 'chat', '', 'cpu', 0, 1, 1, '', 'lazy', '[]', {now}, 'admin', {now}, 1)"
+                )
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO model_versions (model_id, name, source_uri, source_format, quantization, "
+                    "targets, metadata, created_at, created_by) VALUES (1, 'v1', 'pvc://m/v1', 'auto', "
+                    f"'int8', '[]', '{{}}', {now}, 'admin')"
+                )
+            )
+        db.run_migrations(engine)
+        with engine.connect() as connection:
+            rows = connection.execute(text("SELECT name, quantize_lm_head FROM model_versions")).all()
+        assert [(name, bool(flag)) for name, flag in rows] == [("v1", False)]
+        assert db.schema_state(engine).current == db.head_revisions()
+    finally:
+        engine.dispose()

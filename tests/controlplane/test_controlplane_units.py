@@ -81,6 +81,7 @@ def _rows() -> tuple[Tenant, Model, ModelVersion]:
         source_format="hf-safetensors",
         digest="c" * 64,
         quantization="fp8",
+        quantize_lm_head=True,
         targets=[{"accelerator": "nvidia-h100", "format": "torch", "dtype": "fp8"}],
     )
     return tenant, model, version
@@ -94,6 +95,7 @@ def test_custom_resources_validate_against_the_operator_schema():
     mv = validate_model_version(resources.model_version(tenant, model, version))
     assert mv.metadata["name"] == "chat-v2" and mv.metadata["labels"]["modelfleet.dev/model"] == "chat"
     assert mv.spec.source.sha256 == "c" * 64 and mv.spec.targets[0].dtype == "fp8"
+    assert mv.spec.quantize_lm_head
     model.traffic = []
     assert resources.inference_model(tenant, model) is None  # the CRD requires a split
 
