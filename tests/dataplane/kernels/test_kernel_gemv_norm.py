@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
 from tests.dataplane.kernels.test_kernel_gemv_silu import (
+    LAUNCHES,
     WEIGHTS,
     decode_step,
     down_weight,
@@ -24,13 +25,7 @@ from tests.dataplane.kernels.test_kernel_gemv_silu import (
     skip_fp8_where_missing,
 )
 
-# (M, N, K, split_k asked for, reduce_at_end): one row and even K; ragged K and masked rows with per-tile
-# row sums; more rows than one program takes, a ragged last row block, and a split that must be refused
-LAUNCHES = {
-    "even": (1, 24, 256, 1, True),
-    "ragged": (3, 9, 200, 1, False),
-    "split": (6, 13, 520, 3, True),
-}
+# LAUNCHES are the fused activation's cases; with a norm or a residual, "split" runs as one split
 TOL = {"atol": 3e-2, "rtol": 3e-2}  # bf16 results against a float32 product
 EPS = 1e-5
 
