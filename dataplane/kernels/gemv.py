@@ -191,9 +191,7 @@ def _store_row(
     out_ptr,
     bias_ptr,
     scale_ptr,
-    residual_ptr,
     stride_om,
-    stride_rm,
     pid_k,
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
@@ -214,8 +212,8 @@ def _store_row(
             acc *= tl.load(scale_ptr + rows, mask=rows < N, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        if ADD_RESIDUAL:  # read and written by this program alone: out_ptr may be residual_ptr
-            acc += tl.load(residual_ptr + m * stride_rm + rows, mask=mask, other=0.0).to(tl.float32)
+        if ADD_RESIDUAL:  # the output is the residual, read and written by this program alone
+            acc += tl.load(out_ptr + m * stride_om + rows, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -227,14 +225,12 @@ def _gemv_kernel(
     scale_ptr,
     out_ptr,
     norm_ptr,
-    residual_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
     k_per_split,
     eps,
     HAS_BIAS: tl.constexpr,
@@ -256,7 +252,7 @@ def _gemv_kernel(
     # SILU_MUL: x's rows are [gate | up] (2K wide) and the activation is silu(gate) * up
     # NORM: x is RMS-normalized with the weight at norm_ptr: the sums are of x * weight, and the squares
     # of x, gathered along the same sweep of K, give the 1 / rms that scales them at the end
-    # ADD_RESIDUAL: the row at residual_ptr is added to the result (out_ptr may be residual_ptr)
+    # ADD_RESIDUAL: out_ptr holds the residual, and the result is added to it
     # PACKED: w_ptr is the 1-byte weight seen as int32 words, 4 weights each; a tile is BLOCK_K // 4 words
     PACK: tl.constexpr = 4 if PACKED else 1
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
@@ -348,9 +344,7 @@ def _gemv_kernel(
         out_ptr,
         bias_ptr,
         scale_ptr,
-        residual_ptr,
         stride_om,
-        stride_rm,
         pid_k,
         HAS_BIAS,
         HAS_SCALE,
@@ -372,9 +366,7 @@ def _gemv_kernel(
             out_ptr,
             bias_ptr,
             scale_ptr,
-            residual_ptr,
             stride_om,
-            stride_rm,
             pid_k,
             HAS_BIAS,
             HAS_SCALE,
@@ -396,9 +388,7 @@ def _gemv_kernel(
             out_ptr,
             bias_ptr,
             scale_ptr,
-            residual_ptr,
             stride_om,
-            stride_rm,
             pid_k,
             HAS_BIAS,
             HAS_SCALE,
@@ -420,9 +410,7 @@ def _gemv_kernel(
             out_ptr,
             bias_ptr,
             scale_ptr,
-            residual_ptr,
             stride_om,
-            stride_rm,
             pid_k,
             HAS_BIAS,
             HAS_SCALE,
@@ -646,13 +634,11 @@ def gemv(
         scale_arg,
         target,
         norm_arg,
-        out,  # the residual, added in place (read only with ADD_RESIDUAL)
         m,
         n,
         k,
         x2.stride(0),
         w_arg.stride(0),
-        out.stride(0),
         out.stride(0),
         k_per_split,
         norm[1] if norm is not None else 0.0,

@@ -178,16 +178,22 @@ def silu_mul_down_gemv(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor |
     return gemv(gate_up, weight, bias, scale=scale, silu_mul=True)
 
 
-def gemv_operands(
-    linear: nn.Module, x: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+GemvOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def gemv_operands(linear: nn.Module, x: torch.Tensor) -> GemvOperands | None:
     """(weight, bias, scale or None) where the built-in ops multiply x by `linear` with the Triton GEMV
     (decode rows on CUDA: bf16/fp16 Linear, QuantizedLinear int8/fp8), else None."""
     if isinstance(linear, QuantizedLinear):
-        return (linear.weight, linear.bias, linear.weight_scale) if linear._gemv_applies(x) else None
+        return linear_operands(linear) if linear._gemv_applies(x) else None
     if isinstance(linear, Linear) and get_op("linear", x.device.type) is registry.linear:
-        return (linear.weight, linear.bias, None) if registry.gemv_applies(x, linear.weight) else None
+        return linear_operands(linear) if registry.gemv_applies(x, linear.weight) else None
     return None
+
+
+def linear_operands(linear: nn.Module) -> GemvOperands:
+    """What the GEMV reads of a Linear or QuantizedLinear: weight, bias, per-channel scale (or None)."""
+    return linear.weight, linear.bias, getattr(linear, "weight_scale", None)
 
 
 def norms_fuse(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> bool:
@@ -204,12 +210,10 @@ def norms_fuse(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> bool:
 
 
 def norm_gemv(linear: nn.Module, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """linear(norm(residual)), the norm computed inside the GEMV (norms_fuse held)."""
+    """linear(norm(residual)), the norm computed inside the GEMV (norms_fuse held: not checked again)."""
     from modelfleet.dataplane.kernels.gemv import gemv
 
-    operands = gemv_operands(linear, residual)
-    assert operands is not None  # norms_fuse held
-    weight, bias, scale = operands
+    weight, bias, scale = linear_operands(linear)
     return gemv(residual, weight, bias, scale=scale, norm=(norm.weight, norm.eps))
 
 
@@ -219,9 +223,7 @@ def add_gemv(
     """residual += linear(x) (of silu_and_mul(x) with silu_mul), in place, in the GEMV's epilogue."""
     from modelfleet.dataplane.kernels.gemv import gemv
 
-    operands = gemv_operands(linear, residual)
-    assert operands is not None  # norms_fuse held
-    weight, bias, scale = operands
+    weight, bias, scale = linear_operands(linear)
     return gemv(x, weight, bias, scale=scale, silu_mul=silu_mul, residual=residual)
 
 

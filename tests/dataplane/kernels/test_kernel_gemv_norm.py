@@ -21,6 +21,7 @@ from tests.dataplane.kernels.test_kernel_gemv_silu import (
     WEIGHTS,
     decode_step,
     down_weight,
+    launch_shape,
     random_llama,
     skip_fp8_where_missing,
 )
@@ -40,11 +41,10 @@ def float_weight(weight, scale):
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_norm_inside_the_gemv_is_rms_norm_then_the_linear(device, weights, launch):
-    from modelfleet.dataplane.kernels.gemv import GemvConfig, gemv
+    from modelfleet.dataplane.kernels.gemv import gemv
 
     skip_fp8_where_missing(weights, device)
-    m, n, k, split_k, reduce_at_end = LAUNCHES[launch]
-    config = GemvConfig(block_n=4, block_k=64, num_warps=4, split_k=split_k, reduce_at_end=reduce_at_end)
+    m, n, k, config = launch_shape(launch)
     x = (3 * torch.randn(m, k)).to(device, torch.bfloat16)
     norm_weight = (torch.rand(k) + 0.5).to(device, torch.bfloat16)
     weight, scale = down_weight(n, k, weights, device)
@@ -64,11 +64,10 @@ def test_norm_inside_the_gemv_is_rms_norm_then_the_linear(device, weights, launc
 def test_residual_is_added_in_place(device, weights, silu_mul, launch):
     """The result is residual + the product, written into residual (the stream the next layer reads)."""
     from modelfleet.dataplane.kernels.activation import silu_and_mul
-    from modelfleet.dataplane.kernels.gemv import GemvConfig, gemv
+    from modelfleet.dataplane.kernels.gemv import gemv
 
     skip_fp8_where_missing(weights, device)
-    m, n, k, split_k, reduce_at_end = LAUNCHES[launch]
-    config = GemvConfig(block_n=4, block_k=64, num_warps=4, split_k=split_k, reduce_at_end=reduce_at_end)
+    m, n, k, config = launch_shape(launch)
     x = (2 * torch.randn(m, 2 * k if silu_mul else k)).to(device, torch.bfloat16)
     weight, scale = down_weight(n, k, weights, device)
     residual = (4 * torch.randn(m, n)).to(device, torch.bfloat16)

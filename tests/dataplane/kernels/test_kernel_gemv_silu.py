@@ -29,6 +29,15 @@ DOWN_SHAPES = [(2048, 8192), (4096, 14336)]
 TOL = {"atol": 3e-2, "rtol": 3e-2}  # bf16 results against a float32 product
 
 
+def launch_shape(launch: str):
+    """(M, N, K, GemvConfig) of one of LAUNCHES: 4-row blocks of 64-wide K tiles."""
+    from modelfleet.dataplane.kernels.gemv import GemvConfig
+
+    m, n, k, split_k, reduce_at_end = LAUNCHES[launch]
+    config = GemvConfig(block_n=4, block_k=64, num_warps=4, split_k=split_k, reduce_at_end=reduce_at_end)
+    return m, n, k, config
+
+
 def down_weight(n, k, weights, device):
     """(weight, scale or None): bf16, or quantized per channel as the checkpoints are."""
     from modelfleet.dataplane.quantization import quantize
@@ -80,11 +89,10 @@ def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_fused_activation_gives_the_unfused_result(device, weights, launch):
     """Bit for bit at the same launch configuration: the activation is rounded as silu_and_mul stores it."""
-    from modelfleet.dataplane.kernels.gemv import GemvConfig, gemv
+    from modelfleet.dataplane.kernels.gemv import gemv
 
     skip_fp8_where_missing(weights, device)
-    m, n, k, split_k, reduce_at_end = LAUNCHES[launch]
-    config = GemvConfig(block_n=4, block_k=64, num_warps=4, split_k=split_k, reduce_at_end=reduce_at_end)
+    m, n, k, config = launch_shape(launch)
     gate_up = (2 * torch.randn(m, 2 * k)).to(device, torch.bfloat16)
     weight, scale = down_weight(n, k, weights, device)
     bias = torch.randn(n).to(device, torch.bfloat16) if launch == "split" else None
