@@ -201,6 +201,8 @@ class ModelRunner:
             self.sampled_ids,
             max_batch_size=config.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            # the fused sampler in the graph too, for steps it can sample whole (see _graph_samples)
+            sample=self.tp is None and self.sampler is not None and self.sampler.fused,
             enabled=True,
         )
         if not runner.enabled:  # e.g. an attention backend that reads device data on the host
@@ -285,8 +287,47 @@ class ModelRunner:
         max_query_len = 1 if num_tokens == num_seqs else int(query_lens.max())
         if self.workers is not None:
             return self._launch_parallel(self.workers, out, use_graph, inputs, max_query_len)
+        if use_graph and self._graph_samples(out):
+            return self._launch_graph_sampled(out, inputs)
         hidden = self._forward(use_graph, *inputs, max_query_len)
         return self._sample(out, hidden, cu_query)
+
+    def _graph_samples(self, out: SchedulerOutput) -> bool:
+        """Whether the decode graph's sampling head can sample this step: every row samples with a
+        temperature alone (greedy included), none is constrained by a grammar."""
+        graphs, sampler = self.decode_graphs, self.sampler
+        return (
+            graphs is not None
+            and graphs.head is not None
+            and sampler is not None
+            and sampler.fused
+            and all(s.samples and s.seq.temperature_only and s.seq.grammar is None for s in out.scheduled)
+        )
+
+    def _launch_graph_sampled(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
+        """A decode step whose forward, logits and sampling are one graph replay."""
+        graphs, sampler = self.decode_graphs, self.sampler
+        assert graphs is not None and sampler is not None  # checked by _graph_samples
+        input_ids, src_rows, positions, slot_mapping, _, seq_lens, block_tables = inputs
+        seqs = [s.seq for s in out.scheduled]
+        temperature, seeds = sampler.fused_parameters(seqs)
+        pairs = graphs.run(
+            {
+                "input_ids": input_ids,
+                "src_rows": src_rows,
+                "positions": positions,
+                "slot_mapping": slot_mapping,
+                "seq_lens": seq_lens.astype(np.int32),
+                "block_tables": block_tables,
+                "temperature": temperature,
+                "seeds": seeds,
+            },
+            batch_size=len(seqs),
+            head=True,
+        )
+        for row, seq in enumerate(seqs):
+            seq.sample_row = row
+        return LaunchedStep(len(seqs), list(range(len(seqs))), sampler.graph_sampled(pairs, seqs))
 
     def _launch_parallel(
         self,

@@ -32,34 +32,43 @@ class SamplerOutput:
 class SampledBatch:
     """A step's sampled tokens: on the device at once (`token_ids`, for the next step's inputs), on the
     host once `result()` (or `host_token_ids()`, the ids alone) is called. The copy to the host is
-    queued behind the sampling, so the host can launch more work before it waits."""
+    queued behind the sampling, so the host can launch more work before it waits.
+
+    `pairs`: int64 [N, 2], each row's token and whether its logits held a NaN (as a decode graph's
+    sampling head returns them: model_decode_runner)."""
 
     def __init__(
-        self,
-        token_ids: torch.Tensor,
-        bad_rows: torch.Tensor,
-        logprobs: TopLogprobs | None,
-        params: list[SamplingParams],
+        self, pairs: torch.Tensor, logprobs: TopLogprobs | None, params: list[SamplingParams]
     ) -> None:
-        self.token_ids = token_ids
+        self.token_ids = pairs[:, 0]
         self._params = params
-        device_side = (torch.stack([token_ids, bad_rows.to(token_ids.dtype)]), *(logprobs or ()))
+        device_side = (pairs, *(logprobs or ()))
         self._has_logprobs = logprobs is not None
         self._token_list: list[int] | None = None
         self._bad_list: list[int] = []
-        if token_ids.device.type == "cuda":
+        if pairs.device.type == "cuda":
             self._host = tuple(_to_pinned_host(t) for t in device_side)
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
             self._host, self._ready = device_side, None
 
+    @classmethod
+    def of(
+        cls,
+        token_ids: torch.Tensor,
+        bad_rows: torch.Tensor,
+        logprobs: TopLogprobs | None,
+        params: list[SamplingParams],
+    ) -> SampledBatch:
+        return cls(torch.stack([token_ids, bad_rows.to(token_ids.dtype)], dim=1), logprobs, params)
+
     def host_token_ids(self) -> list[int]:
         """The sampled ids on the host; waits for this step alone, not for the steps queued after it."""
         if self._token_list is None:
             if self._ready is not None:
                 self._ready.synchronize()
-            self._token_list, self._bad_list = self._host[0].tolist()
+            self._token_list, self._bad_list = self._host[0].t().tolist()
         return self._token_list
 
     def result(self) -> SamplerOutput:
@@ -145,7 +154,7 @@ class Sampler:
         # A constrained row whose sampling needs only a temperature is one for the fused sampler once masked.
         if self.fused and all(s.temperature_only for s in seqs):
             masks = self._begin_grammars(logits, seqs, overlap)
-            inputs = self._fused_inputs(seqs, params, logits.device)
+            inputs = self._fused_inputs(seqs, logits.device)
             pending = PendingSample(self, lambda: self._sample_fused(logits, params, inputs, masks), masks)
         else:
             pending = self._begin_torch(logits, seqs, params, overlap)
@@ -179,7 +188,7 @@ class Sampler:
             logprobs = None
             if num_logprobs is not None:
                 logprobs = _top_logprobs(raw_logprobs, token_ids, num_logprobs)
-            return SampledBatch(token_ids, bad_rows, logprobs, params)
+            return SampledBatch.of(token_ids, bad_rows, logprobs, params)
 
         return PendingSample(self, finish, masks)
 
@@ -196,21 +205,36 @@ class Sampler:
         assert self._grammar_masks is not None  # made by _begin_grammars
         return self._grammar_masks.finish(masks, logits)
 
-    def _fused_inputs(
-        self, seqs: list[Sequence], params: list[SamplingParams], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused sampler's temperatures and seeds, on the device. Read when the sampling begins: a
-        seed's token index counts the row's tokens in flight, which the next step's planning raises."""
+    def _fused_inputs(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused sampler's temperatures and seeds (fused_parameters), on the device."""
+        temperature, seeds = self.fused_parameters(seqs)
+        return (
+            torch.from_numpy(temperature).to(device, non_blocking=True),
+            torch.from_numpy(seeds).to(device, non_blocking=True),
+        )
+
+    def fused_parameters(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+        """The fused sampler's temperatures (float32, 0 for greedy) and seeds (int64), on the host. Read
+        when the sampling begins: a seed's token index counts the row's tokens in flight, which the next
+        step's planning raises."""
         seeds = self._seeds.integers(1, 1 << 62, size=len(seqs))
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
                 index = seq.num_output_tokens + seq.num_inflight
                 seeds[i] = hash((seq.params.seed, index)) & ((1 << 62) - 1)
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
-        return (
-            temperature.to(device, non_blocking=True),
-            torch.from_numpy(seeds).to(device, non_blocking=True),
+        temperature = np.fromiter(
+            (0.0 if s.params.greedy else s.params.temperature for s in seqs),
+            dtype=np.float32,
+            count=len(seqs),
         )
+        return temperature, seeds
+
+    def graph_sampled(self, pairs: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
+        """The batch a decode graph's sampling head gave (fused_parameters were its inputs); the latest
+        from then on, as if sampled here."""
+        batch = SampledBatch(pairs, None, [s.params for s in seqs])
+        self._previous = batch
+        return batch
 
     def _sample_fused(
         self,
@@ -229,7 +253,7 @@ class Sampler:
             assert self._grammar_masks is not None  # made by _begin_grammars
             mask = self._grammar_masks.finish_bitmask(masks, logits.device)
         token_ids, bad_rows = sample_tokens(logits, *inputs, mask=mask)
-        return SampledBatch(token_ids, bad_rows, None, params)
+        return SampledBatch.of(token_ids, bad_rows, None, params)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -38,7 +38,9 @@ def test_graph_decode_matches_eager_on_gpu(tiny_llama_dir):
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
     graphs = LLM(tiny_llama_dir, **GPU_SETTINGS)
     runner = graphs.engine.runner
-    assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [1, 2, 3]
+    assert runner.decode_graphs is not None and sorted(runner.decode_graphs.graphs) == [
+        (n, head) for n in (1, 2, 3) for head in (False, True)
+    ]
     replays = 0
     run = runner.decode_graphs.run
 

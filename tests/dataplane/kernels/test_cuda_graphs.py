@@ -98,7 +98,7 @@ def test_replayed_graphs_match_eager_runs(device):
         static_inputs=lambda n: {"query_start_loc": torch.arange(n + 1, dtype=torch.int32, device=device)},
     )
     runner.capture()
-    assert sorted(runner.graphs) == CAPTURED
+    assert sorted(runner.graphs) == [(size, False) for size in CAPTURED]
     eager_model.kv_cache.copy_(graph_model.kv_cache)  # the warm-up runs wrote to it
     for step, batch_size in enumerate([1, 3, 5, 8, 2, 11, 4, 7]):
         inputs = decode_inputs(batch_size, device, seed=step)
@@ -128,6 +128,17 @@ def test_runner_without_cuda_runs_eagerly():
     out = runner.run({"x": torch.tensor([1.0, 2.0, 3.0])}, 3)
     assert out.tolist() == [2.0, 4.0, 6.0]
     assert calls == [{"x": 3}]
+
+
+def test_a_head_runs_after_the_forward_only_when_asked():
+    runner = DecodeGraphRunner(
+        lambda v: v["x"] * 2, {"x": torch.zeros(4)}, [1, 2, 4], head=lambda v, out: out + v["x"]
+    )
+    x = torch.tensor([1.0, 2.0])
+    assert runner.run({"x": x}, 2).tolist() == [2.0, 4.0]
+    assert runner.run({"x": x}, 2, head=True).tolist() == [3.0, 6.0]
+    with pytest.raises(ValueError, match="head=True"):
+        DecodeGraphRunner(lambda v: v["x"], {"x": torch.zeros(2)}, [1, 2]).run({"x": x}, 2, head=True)
 
 
 def test_eager_fallback_needs_every_input_past_the_buffers():
@@ -182,7 +193,7 @@ def test_llama_decode_graphs_match_eager(device):
     graph_caches, eager_caches = list(kv.clone().unbind(0)), list(kv.clone().unbind(0))
     runner = model_decode_runner(model, graph_caches, max_batch_size=8, max_blocks_per_seq=MAX_BLOCKS)
     runner.capture()
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graphs) == [(n, False) for n in (1, 2, 4, 8)]
     for step, batch_size in enumerate([1, 3, 8, 6, 9]):  # 9: past the largest graph, eager
         inputs = decode_inputs(batch_size, device, seed=10 + step)
         inputs["positions"] = inputs["seq_lens"].long() - 1

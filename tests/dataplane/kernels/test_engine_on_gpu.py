@@ -56,3 +56,38 @@ def test_fused_sampler_path_is_seeded_batch_independent_and_greedy_exact(device,
     assert batch[1].token_ids == alone
     unseeded = [o.token_ids for o in llm.generate([prompts()[1]] * 4, others[2])]
     assert len({tuple(t) for t in unseeded}) > 1  # unseeded rows draw different noise
+
+
+def test_decode_graphs_sample_in_the_graph_as_the_eager_engine_does(device, tiny_llama_dir, monkeypatch):
+    """Temperature-only decode steps replay one graph (forward, logits, fused sampler); their tokens
+    equal the eager engine's, greedy and seeded; a step with a row the head cannot sample (logprobs)
+    takes the plain graph and the sampler, and the rows beside it keep their tokens."""
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    from modelfleet.dataplane import LLM, SamplingParams
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+
+    heads = []
+    launch_head = ModelRunner._launch_graph_sampled
+
+    def counted(self, out, inputs):
+        heads.append(len(out.scheduled))
+        return launch_head(self, out, inputs)
+
+    monkeypatch.setattr(ModelRunner, "_launch_graph_sampled", counted)
+    settings = dict(device="cuda", dtype="float32", max_num_seqs=4)
+    graphs = LLM(tiny_llama_dir, **settings)
+    assert graphs.engine.runner.decode_graphs.head is not None
+    eager = LLM(tiny_llama_dir, enforce_eager=True, **settings)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=24, ignore_eos=True)
+    logprobs = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    for params in ([greedy] * 4, [greedy, seeded, greedy, seeded], [greedy, logprobs, seeded, greedy]):
+        heads.clear()
+        got = [o.token_ids for o in graphs.generate(prompts()[:4], params)]
+        sampled_in_graph = len(heads)
+        assert got == [o.token_ids for o in eager.generate(prompts()[:4], params)]
+        if logprobs in params:  # decode rows ran with the logprobs row until it finished with the rest
+            assert sampled_in_graph == 0
+        else:
+            assert sampled_in_graph >= 20  # the decode steps
