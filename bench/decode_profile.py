@@ -9,6 +9,7 @@ tables on stderr.
 
     python bench/decode_profile.py --preset llama-3.2-1b --batch 1 --batch 256
     python bench/decode_profile.py --preset llama-3.2-1b --batch 1 --quantize int8  # its int8 artifact
+    python bench/decode_profile.py --preset llama-3.2-1b --batch 1 --quantize int8 --quantize-lm-head
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tables", action="store_true")
     parser.add_argument("--quantize", choices=["int8", "fp8"], help="profile the per-channel artifact")
+    parser.add_argument("--quantize-lm-head", action="store_true", help="that artifact quantizes lm_head too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -140,7 +142,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_preset(args.preset, args.preset_dir or tmp, "cuda")
         if args.quantize:
-            model = quantized_artifact(model, args.quantize, f"{tmp}/{args.quantize}", "cuda")
+            model = quantized_artifact(
+                model, args.quantize, f"{tmp}/{args.quantize}", "cuda", lm_head=args.quantize_lm_head
+            )
         with open(f"{model}/config.json") as f:
             args.vocab = json.load(f)["vocab_size"]
         llm = LLM(
@@ -156,6 +160,7 @@ def main() -> int:
             "bench": "decode_profile",
             "model": args.preset,
             "quantize": args.quantize,
+            "quantize_lm_head": args.quantize_lm_head,
             "device": torch.cuda.get_device_name(),
             "temperature": args.temperature,
             "runs": [profile_batch(llm, b, args) for b in args.batch],

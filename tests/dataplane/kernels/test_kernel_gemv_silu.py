@@ -8,13 +8,9 @@ float32 -> bf16 by truncation, but the same way in both paths, so they still agr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
 
 WEIGHTS = ["bf16", "int8", "fp8"]
 # (M, N, K, split_k, reduce_at_end): one row and even K; ragged K and masked rows with per-tile row sums;
@@ -331,14 +327,11 @@ def test_the_mlp_keeps_the_activation_kernel_off_the_gpu():
     assert silu_mul_down_gemv(down, torch.randn(1, 128)) is None
 
 
+# every launch for every weight format but fp8's K split (~12 s there; its words decode as in the
+# even and ragged fp8 cases, its split as in int8's)
 INTERPRETER_CASES = [
     f"test_fused_activation_gives_the_unfused_result[{launch}-{weights}]"
     for launch in LAUNCHES
     for weights in WEIGHTS
+    if (launch, weights) != ("split", "fp8")
 ]
-
-
-def test_small_fused_cases_pass_under_the_triton_interpreter():
-    assert_pass_under_the_interpreter(
-        [f"{Path(__file__).name}::{case}" for case in INTERPRETER_CASES], len(INTERPRETER_CASES)
-    )

@@ -11,13 +11,10 @@ GPU, so the interpreter cases launch each config's kernel directly)."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
 
 # bf16 activations against a float32 product of the same dequantized weight: the kernel's sums are fp32,
 # so the differences are the bf16 rounding of the output (float32 under the interpreter: exact sums)
@@ -195,10 +192,9 @@ def test_autotuned_matmul_matches_the_dequantized_weight(device, m, n, k):
     torch.testing.assert_close(got, reference(x, weight, scale), **TOL["cuda"])
 
 
-def test_int8_matmul_cases_pass_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    cases = [
-        "test_every_config_matches_the_dequantized_weight",
-        "test_grouped_tile_order_covers_every_tile_once",
-    ]
-    assert_pass_under_the_interpreter([f"{Path(__file__).name}::{case}" for case in cases], 18)
+# every config and both tile orders: 18 cases under the interpreter (test_triton_interpreter.py)
+INTERPRETER_CASES = [
+    "test_every_config_matches_the_dequantized_weight",
+    "test_grouped_tile_order_covers_every_tile_once",
+]
+INTERPRETER_PASSED = 18

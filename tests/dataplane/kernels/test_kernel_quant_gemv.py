@@ -6,13 +6,9 @@ small ones that way in a pytest of its own (the interpreter must be on before tr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
 
 FORMATS = ["int8", "fp8"]
 # bf16 activations against a float32 product of the same (dequantized) weight: the kernel's sums are fp32,
@@ -184,9 +180,3 @@ INTERPRETER_CASES = [
     "test_every_weight_code_decodes_exactly_at_every_byte_position[fp8]",
     "test_a_k_that_is_not_whole_words_takes_the_conversion_path[int8]",
 ]
-
-
-def test_small_quantized_cases_pass_under_the_triton_interpreter():
-    assert_pass_under_the_interpreter(
-        [f"{Path(__file__).name}::{case}" for case in INTERPRETER_CASES], len(INTERPRETER_CASES)
-    )

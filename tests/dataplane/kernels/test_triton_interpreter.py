@@ -1,5 +1,6 @@
 """Small cases of every Triton kernel, run on the CPU under Triton's interpreter (TRITON_INTERPRET=1), so
-that CI runs the kernels' code and not only their references.
+that CI runs the kernels' code and not only their references. One pytest runs them all: the small ops'
+cases listed here and each GEMV module's INTERPRETER_CASES (starting it costs ~7 s of imports).
 
 The interpreter must be on before the kernel modules are imported (`triton.jit` reads it then), and no
 GPU may be visible, so the cases run in a pytest of their own. float32 only: the interpreter rounds
@@ -10,9 +11,17 @@ for reasons of the interpreter's own. The full matrix runs on a GPU:
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from tests.dataplane.kernels import (
+    test_kernel_gemv_norm,
+    test_kernel_gemv_silu,
+    test_kernel_int8_matmul,
+    test_kernel_quant_gemv,
+)
 from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
 
-CASES = [
+SMALL_OPS_CASES = [
     "test_kernel_small_ops.py::test_rms_norm_matches_reference[False-1-64-dtype2]",
     "test_kernel_small_ops.py::test_rms_norm_matches_reference[True-83-64-dtype2]",
     "test_kernel_small_ops.py::test_rotary_matches_reference[False-12-4-80-dtype2]",
@@ -34,7 +43,17 @@ CASES = [
 ]
 
 
-def test_small_kernel_cases_pass_under_the_triton_interpreter():
+GEMV_MODULES = [test_kernel_quant_gemv, test_kernel_gemv_silu, test_kernel_gemv_norm, test_kernel_int8_matmul]
+
+
+def test_kernel_cases_pass_under_the_triton_interpreter():
     import triton  # noqa: F401  (a dev dependency: `pip install -e '.[dev]'`)
 
-    assert_pass_under_the_interpreter(CASES, len(CASES))
+    cases = list(SMALL_OPS_CASES)
+    passed = len(SMALL_OPS_CASES)
+    for module in GEMV_MODULES:
+        name = Path(module.__file__).name
+        cases += [f"{name}::{case}" for case in module.INTERPRETER_CASES]
+        # a case naming a parametrized test as a whole expands to its parameters
+        passed += getattr(module, "INTERPRETER_PASSED", len(module.INTERPRETER_CASES))
+    assert_pass_under_the_interpreter(cases, passed)
