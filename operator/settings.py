@@ -78,11 +78,11 @@ class OperatorSettings(BaseSettings):
         "TensorRT targets are refused (docker/dataplane.Dockerfile builds an image without it)",
     )
     dataplane_cpu: str = Field(default="2", description="CPU request of a data-plane pod")
-    dataplane_stream_relays: int = Field(
-        default=2,
+    dataplane_stream_relays: int | None = Field(
+        default=None,
         ge=0,
         description="stream relay processes per engine of a GPU data-plane pod (its "
-        "MODELFLEET_STREAM_RELAYS)",
+        "MODELFLEET_STREAM_RELAYS); unset: the server sizes them from each engine's max_num_seqs",
     )
     dataplane_memory: str = Field(default="16Gi", description="memory request and limit of a data-plane pod")
 

@@ -96,17 +96,7 @@ class DataPlane:
 
     def apply_manifest(self, manifest: ServingManifest) -> None:
         """Swap in a new manifest: new routing at once; removed versions unload once their requests end."""
-        specs = [
-            VersionSpec(
-                model=m.name,
-                version=v.name,
-                artifact=v.artifact,
-                engine_config=tuple(sorted((k, json.dumps(val)) for k, val in m.engine.items())),
-                preload=v.preload,
-            )
-            for m in manifest.models
-            for v in m.versions
-        ]
+        specs = version_specs(manifest)
         self.tables = {m.name: RoutingTable.from_model(m) for m in manifest.models}
         self.manifest = manifest
         self.manager.sync(specs)
@@ -323,3 +313,18 @@ def _optional_attrs(request: Any) -> dict[str, Any]:
         tr.SEED: request.seed,
     }
     return {k: v for k, v in values.items() if v is not None}
+
+
+def version_specs(manifest: ServingManifest) -> list[VersionSpec]:
+    """Each version of the manifest as the model manager loads it (its model's engine settings)."""
+    return [
+        VersionSpec(
+            model=m.name,
+            version=v.name,
+            artifact=v.artifact,
+            engine_config=tuple(sorted((k, json.dumps(val)) for k, val in m.engine.items())),
+            preload=v.preload,
+        )
+        for m in manifest.models
+        for v in m.versions
+    ]

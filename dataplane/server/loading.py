@@ -63,9 +63,21 @@ def is_onnx_artifact(artifact: Path) -> bool:
     return artifact_format(artifact) == "onnx"
 
 
-def load_engine(spec: VersionSpec, *, stream_relays: int = 0, send_timeout: float = 30.0) -> Engine:
+# Streams one relay process keeps up with. H100 host, 1B preset, 128/128 (bench/serve.py): at 256 streams
+# two relays (128 streams each) paced the engine at 0.57x its rate alone, four (64 each) at 0.87x.
+STREAMS_PER_RELAY = 64
+
+
+def relays_for(spec: VersionSpec) -> int:
+    """Stream relays for a version's engine process when the server names no count: one per
+    STREAMS_PER_RELAY sequences it runs at once."""
+    return -(-spec_max_num_seqs(spec) // STREAMS_PER_RELAY)
+
+
+def load_engine(spec: VersionSpec, *, stream_relays: int | None = None, send_timeout: float = 30.0) -> Engine:
     """Blocking: build the engine for one version (the manager runs this on a worker thread). An engine
-    in its own process gets `stream_relays` relays writing its streams (deadline: `send_timeout`)."""
+    in its own process gets `stream_relays` relays writing its streams (None: relays_for the version),
+    with a deadline of `send_timeout` per write."""
     artifact = Path(spec.artifact)
     if not artifact.is_dir():
         raise FileNotFoundError(f"artifact {artifact} is not a directory")
@@ -83,9 +95,8 @@ def load_engine(spec: VersionSpec, *, stream_relays: int = 0, send_timeout: floa
         if engine_in_own_process(kwargs.get("device"), torch_cuda_available()):
             from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess
 
-            return AsyncLLMProcess(
-                str(artifact), stream_relays=stream_relays, send_timeout=send_timeout, **kwargs
-            )
+            relays = relays_for(spec) if stream_relays is None else stream_relays
+            return AsyncLLMProcess(str(artifact), stream_relays=relays, send_timeout=send_timeout, **kwargs)
         from modelfleet.dataplane import AsyncLLM
 
         return AsyncLLM(str(artifact), **kwargs)

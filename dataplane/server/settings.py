@@ -81,11 +81,12 @@ class ServerSettings(BaseSettings):
         default=30.0, gt=0, description="a response the client does not read for this long is aborted"
     )
     max_batch_prompts: int = Field(default=64, ge=1, description="prompts in one completion request")
-    stream_relays: int = Field(
-        default=2,
+    stream_relays: int | None = Field(
+        default=None,
         ge=0,
         description="processes that write streamed answers to clients for an engine in its own process (a "
-        "GPU engine), so that one server process is not what limits tokens/s; 0: the server writes them",
+        "GPU engine), so that one server process is not what limits tokens/s; 0: the server writes them; "
+        "unset: one per 64 sequences of the engine's max_num_seqs (loading.STREAMS_PER_RELAY)",
     )
 
     # Per-key limits are shared by the replicas serving a model: each enforces 1/replicas of them. The

@@ -139,7 +139,10 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
     env.append({"name": "MODELFLEET_PEERS_DNS", "value": peers_dns(im)})
     if settings.dataplane_grpc_port:
         env.append({"name": "MODELFLEET_GRPC_PORT", "value": str(settings.dataplane_grpc_port)})
-    if hardware(spec.hardware.accelerator).resource_name:  # a GPU pod: engines in processes of their own
+    # A GPU pod's engines run in processes of their own, with stream relays; unset, the server gives each
+    # engine as many as its max_num_seqs needs.
+    gpu = hardware(spec.hardware.accelerator).resource_name
+    if gpu and settings.dataplane_stream_relays is not None:
         env.append({"name": "MODELFLEET_STREAM_RELAYS", "value": str(settings.dataplane_stream_relays)})
     return env
 
