@@ -308,23 +308,10 @@ class ModelRunner:
         """A decode step whose forward, logits and sampling are one graph replay."""
         graphs, sampler = self.decode_graphs, self.sampler
         assert graphs is not None and sampler is not None  # checked by _graph_samples
-        input_ids, src_rows, positions, slot_mapping, _, seq_lens, block_tables = inputs
         seqs = [s.seq for s in out.scheduled]
         temperature, seeds = sampler.fused_parameters(seqs)
-        pairs = graphs.run(
-            {
-                "input_ids": input_ids,
-                "src_rows": src_rows,
-                "positions": positions,
-                "slot_mapping": slot_mapping,
-                "seq_lens": seq_lens.astype(np.int32),
-                "block_tables": block_tables,
-                "temperature": temperature,
-                "seeds": seeds,
-            },
-            batch_size=len(seqs),
-            head=True,
-        )
+        graph_inputs = {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}
+        pairs = graphs.run(graph_inputs, batch_size=len(seqs), head=True)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
         return LaunchedStep(len(seqs), list(range(len(seqs))), sampler.graph_sampled(pairs, seqs))
@@ -378,17 +365,8 @@ class ModelRunner:
             graphs = self.decode_graphs
             assert graphs is not None  # use_graph is set only where the graphs were captured
             # Host arrays go through the runner's pinned buffers: no host sync before the replay.
-            return graphs.run(
-                {
-                    "input_ids": input_ids,
-                    "src_rows": src_rows,
-                    "positions": positions,
-                    "slot_mapping": slot_mapping,
-                    "seq_lens": seq_lens.astype(np.int32),
-                    "block_tables": block_tables,
-                },
-                batch_size=len(seq_lens),
-            )
+            inputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
+            return graphs.run(_graph_inputs(inputs), batch_size=len(seq_lens))
         return self._forward_eager(
             input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, max_query_len
         )
@@ -464,6 +442,20 @@ class ModelRunner:
         sampled = pending.finish()
         self.sampled_ids[: len(sampled.token_ids)].copy_(sampled.token_ids)
         return sampled
+
+
+def _graph_inputs(inputs: StepInputs) -> dict[str, np.ndarray]:
+    """A decode step's inputs by the names of the decode graphs' buffers (query_start_loc stays the
+    graphs' own 0..B)."""
+    input_ids, src_rows, positions, slot_mapping, _, seq_lens, block_tables = inputs
+    return {
+        "input_ids": input_ids,
+        "src_rows": src_rows,
+        "positions": positions,
+        "slot_mapping": slot_mapping,
+        "seq_lens": seq_lens.astype(np.int32),
+        "block_tables": block_tables,
+    }
 
 
 def _flat_input_ids(scheduled: list, cu_query: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
