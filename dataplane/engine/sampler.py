@@ -61,6 +61,7 @@ class SampledBatch:
         logprobs: TopLogprobs | None,
         params: list[SamplingParams],
     ) -> SampledBatch:
+        """From the tokens and NaN flags as two tensors (the samplers outside a graph)."""
         return cls(torch.stack([token_ids, bad_rows.to(token_ids.dtype)], dim=1), logprobs, params)
 
     def host_token_ids(self) -> list[int]:
