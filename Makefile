@@ -14,11 +14,10 @@ TORCH_VERSION := 2.13.0
 setup: $(STAMP) $(HELM)
 
 # torch first, pinned: anything unpinned would pull the CUDA build. Then the project with every extra.
-# --no-compile: Python compiles what it imports on first use, not the ~20k files of these wheels up front.
 $(STAMP): pyproject.toml setup.py
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 # helm has no Debian package; a pinned static build comes from the npm registry (see the script).
