@@ -29,8 +29,9 @@ from modelfleet.cli.commands import EXTRAS, SUBCOMMANDS
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 TORCH_PIN = re.search(r"^TORCH_VERSION := ([\w.]+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
-# Where wheels of the base dependencies are kept between runs, one folder per set of versions.
-WHEELHOUSE = ROOT / ".modelfleet" / "wheelhouse"
+# Where wheels of the base dependencies are kept between runs (of any checkout: the user's cache, as pip's
+# own), one folder per set of versions.
+WHEELHOUSE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "modelfleet" / "wheelhouse"
 
 
 def canonical(name: str) -> str:
@@ -136,8 +137,8 @@ def build_wheel(work: Path) -> Path:
 
 
 def base_wheelhouse(constraints: Path) -> Path:
-    """Wheels of the base dependencies but torch, downloaded once per set of versions and kept under
-    .modelfleet/: later runs install them without the network."""
+    """Wheels of the base dependencies but torch, downloaded once per set of versions and kept in the
+    user's cache: later runs, of this checkout or a fresh clone, install them without the network."""
     requirements = sorted(r for r in PROJECT["dependencies"] if requirement_name(r) != "torch")
     key = hashlib.sha256(
         json.dumps([sys.version, platform.platform(), requirements, constraints.read_text()]).encode()
