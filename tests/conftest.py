@@ -13,6 +13,32 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 BENCH = Path(__file__).parents[1] / "bench"
+INTERPRETER_TEST = "test_triton_interpreter.py::test_kernel_cases_pass_under_the_triton_interpreter"
+_interpreter_run = pytest.StashKey[object]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A session that will run the Triton-interpreter cases starts their pytest now, in the background
+    (about two minutes of one core), so that it runs beside the tests before it."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or session.config.option.collectonly:
+        return
+    if any(item.nodeid.endswith(INTERPRETER_TEST) for item in session.items):
+        from tests.dataplane.kernels.interpreter import InterpreterRun
+        from tests.dataplane.kernels.test_triton_interpreter import interpreter_cases
+
+        session.config.stash[_interpreter_run] = InterpreterRun(interpreter_cases()[0])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    run = session.config.stash.get(_interpreter_run, None)
+    if run is not None:
+        run.stop()  # a session that ended early (-x, Ctrl-C) leaves nothing running
+
+
+@pytest.fixture
+def interpreter_run(request: pytest.FixtureRequest) -> object:
+    """The interpreter cases' pytest the session started, or None (then the test starts its own)."""
+    return request.config.stash.get(_interpreter_run, None)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from tests.dataplane.kernels import (
     test_kernel_int8_matmul,
     test_kernel_quant_gemv,
 )
-from tests.dataplane.kernels.interpreter import assert_pass_under_the_interpreter
+from tests.dataplane.kernels.interpreter import InterpreterRun, assert_passed, skip_under_the_interpreter
 
 SMALL_OPS_CASES = [
     "test_kernel_small_ops.py::test_rms_norm_matches_reference[False-1-64-dtype2]",
@@ -49,9 +49,8 @@ SMALL_OPS_CASES = [
 GEMV_MODULES = [test_kernel_quant_gemv, test_kernel_gemv_silu, test_kernel_gemv_norm, test_kernel_int8_matmul]
 
 
-def test_kernel_cases_pass_under_the_triton_interpreter():
-    import triton  # noqa: F401  (a dev dependency: `pip install -e '.[dev]'`)
-
+def interpreter_cases() -> tuple[list[str], int]:
+    """The node ids to run and how many cases they pass."""
     cases = list(SMALL_OPS_CASES)
     passed = len(SMALL_OPS_CASES)
     for module in GEMV_MODULES:
@@ -59,4 +58,12 @@ def test_kernel_cases_pass_under_the_triton_interpreter():
         cases += [f"{name}::{case}" for case in module.INTERPRETER_CASES]
         # a case naming a parametrized test as a whole expands to its parameters
         passed += getattr(module, "INTERPRETER_PASSED", len(module.INTERPRETER_CASES))
-    assert_pass_under_the_interpreter(cases, passed)
+    return cases, passed
+
+
+def test_kernel_cases_pass_under_the_triton_interpreter(interpreter_run):
+    import triton  # noqa: F401  (a dev dependency: `pip install -e '.[dev]'`)
+
+    skip_under_the_interpreter()
+    run = interpreter_run or InterpreterRun(interpreter_cases()[0])
+    assert_passed(run, interpreter_cases()[1])
