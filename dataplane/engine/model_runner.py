@@ -289,7 +289,7 @@ class ModelRunner:
             return self._launch_parallel(self.workers, out, use_graph, inputs, max_query_len)
         if use_graph and self._graph_samples(out):
             return self._launch_graph_sampled(out, inputs)
-        hidden = self._forward(use_graph, *inputs, max_query_len)
+        hidden = self._forward(use_graph, inputs, max_query_len)
         return self._sample(out, hidden, cu_query)
 
     def _graph_samples(self, out: SchedulerOutput) -> bool:
@@ -334,7 +334,7 @@ class ModelRunner:
         message: StepMessage = ("step", use_graph, inputs, max_query_len, logit_rows)
         workers.send_step(message)
         try:
-            hidden = self._forward(use_graph, *inputs, max_query_len)
+            hidden = self._forward(use_graph, inputs, max_query_len)
             return self._sample(out, hidden, cu_query)
         except Exception as exc:  # the ranks are out of step now: none can run another
             workers.step_failed(exc)
@@ -344,32 +344,19 @@ class ModelRunner:
     def execute(self, message: StepMessage) -> None:
         """A worker's part of one step (see _launch_parallel); the logits it helps gather are rank 0's."""
         _, use_graph, inputs, max_query_len, logit_rows = message
-        hidden = self._forward(use_graph, *inputs, max_query_len)
+        hidden = self._forward(use_graph, inputs, max_query_len)
         if logit_rows is not None:
             index = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
             self.model.compute_logits(hidden[index], float32=False)
 
-    def _forward(
-        self,
-        use_graph: bool,
-        input_ids: np.ndarray,
-        src_rows: np.ndarray,
-        positions: np.ndarray,
-        slot_mapping: np.ndarray,
-        cu_query: np.ndarray,
-        seq_lens: np.ndarray,
-        block_tables: np.ndarray,
-        max_query_len: int,
-    ) -> torch.Tensor:
+    def _forward(self, use_graph: bool, inputs: StepInputs, max_query_len: int) -> torch.Tensor:
         if use_graph:
             graphs = self.decode_graphs
             assert graphs is not None  # use_graph is set only where the graphs were captured
             # Host arrays go through the runner's pinned buffers: no host sync before the replay.
-            inputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
-            return graphs.run(_graph_inputs(inputs), batch_size=len(seq_lens))
-        return self._forward_eager(
-            input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables, max_query_len
-        )
+            # a decode step: one input id per sequence
+            return graphs.run(_graph_inputs(inputs), batch_size=len(inputs[0]))
+        return self._forward_eager(*inputs, max_query_len)
 
     def _forward_eager(
         self,
