@@ -538,3 +538,23 @@ def test_dataplane_pods_log_in_the_charts_log_format(rendered) -> None:
     assert env[LOG_FORMAT_ENV] == "json"
     unset = serving.deployment(EXAMPLE_MODEL, EXAMPLE_SPEC, OperatorSettings())["spec"]["template"]["spec"]
     assert LOG_FORMAT_ENV not in {item["name"] for item in unset["containers"][0]["env"]}
+
+
+def test_stream_relays_reach_gpu_pods_only_when_set(rendered) -> None:
+    """dataplane.streamRelays unset (null): no operator setting, so GPU pods leave the count to the server
+    (one relay per 64 of an engine's max_num_seqs); set, even to 0, it reaches the pods' server."""
+    gpu_spec = EXAMPLE_SPEC.model_copy(
+        update={"hardware": EXAMPLE_SPEC.hardware.model_copy(update={"accelerator": "nvidia-h100"})}
+    )
+    for values, relays in (
+        ({}, None),
+        ({"dataplane": {"streamRelays": 0}}, "0"),
+        ({"dataplane": {"streamRelays": 4}}, "4"),
+    ):
+        docs = rendered[("defaults", "1.37.0")] if not values else render(values, kube_version="1.37.0")
+        env = container_env(by_kind(docs, "Deployment")["mf-modelfleet-operator"])
+        assert env.get("MODELFLEET_DATAPLANE_STREAM_RELAYS") == relays
+        settings = OperatorSettings(dataplane_stream_relays=None if relays is None else int(relays))
+        pod = serving.deployment(EXAMPLE_MODEL, gpu_spec, settings)["spec"]["template"]["spec"]
+        pod_env = {item["name"]: item.get("value") for item in pod["containers"][0]["env"]}
+        assert pod_env.get("MODELFLEET_STREAM_RELAYS") == relays
