@@ -15,11 +15,12 @@ The same kernel reads 1-byte quantized weights (int8, or float8 e4m3 on GPUs tha
 per-output-channel scales (modelfleet.dataplane.quantization's format): each weight tile is loaded as
 4-byte words and decoded to float32 in registers by bit operations (see _byte_to_f32), the activations
 stay in bf16/fp16, and the finished fp32 row sums are multiplied by their channel's scale once, before
-the bias. Half the bytes of bf16 cross from memory, which is what bounds a decode linear. Where a norm or
-an activation is fused in (below), the decoded tile is laid out by columns (_packed_tile_by_columns), so
-x is read contiguously, and on an NVIDIA GPU int8 bytes are decoded by byte permutes (PTX): on an H200
-the 1B and 8B batch-1 decode steps took 6% and 3.5% less GPU time with int8 weights than when those GEMVs
-read x one strided element per byte (a plain GEMV stays so: by columns it measured slower alone).
+the bias. Half the bytes of bf16 cross from memory, which is what bounds a decode linear. A tile's bytes
+are taken as its 4 byte places (byte j of word c is column 4c + j), and x is read as one contiguous run
+of K a thread and split into the same 4 places in registers (_row_dot), rather than loaded one strided
+element per byte place; on an NVIDIA GPU int8 bytes are decoded by byte permutes (PTX). On an H200 that
+took the GPU time of a batch-1 decode step with int8 weights from 0.80 to 0.69 ms (1B) and from 3.59 to
+2.80 ms (8B): docs/benchmarks.md, 2026-11-28.
 
 With silu_mul=True x is a gated MLP's [gate | up] ([M, 2K], the gate_up projection's output) and the
 kernel multiplies silu(gate) * up, computed per tile as it is loaded (silu_and_mul_f32, shared with the
@@ -76,45 +77,6 @@ def _load_x(ptrs, cols, k_end, row_ok, EVEN_K: tl.constexpr, MASK_M: tl.constexp
 
 
 @triton.jit
-def _row_dot(
-    acc,
-    ss,
-    w,
-    gw,
-    x_ptrs,
-    cols,
-    k_end,
-    row_ok,
-    K,
-    EVEN_K: tl.constexpr,
-    MASK_M: tl.constexpr,
-    AT_END: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr,
-    X_SCALE: tl.constexpr,
-):
-    """acc + w [BLOCK_N, BLOCK_K] (fp32) times one row of x at `cols` (SILU_MUL: of silu(gate) * up, the
-    row being [gate | up] with up K elements after gate; NORM: of x * gw, the norm's weight, with x's
-    squares added to ss), x multiplied by X_SCALE."""
-    x = _load_x(x_ptrs + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
-    if SILU_MUL:
-        up = _load_x(x_ptrs + K + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
-        # rounded to x's dtype as the unfused activation is stored, so the products are the same
-        xf = silu_and_mul_f32(x, up).to(x.dtype).to(tl.float32)
-    else:
-        xf = x.to(tl.float32)
-    if NORM:
-        ss += xf * xf
-        xf = xf * gw
-    if X_SCALE != 1.0:
-        xf = xf * X_SCALE
-    prod = w * xf[None, :]
-    if not AT_END:
-        prod = tl.sum(prod, axis=1)
-    return acc + prod, ss
-
-
-@triton.jit
 def _byte_to_f32(words, j: tl.constexpr, FP8: tl.constexpr):
     """Byte j of each int32 word as float32, without a conversion instruction: those issue at a quarter
     of the ALU rate and bound a GEMV that streams 1-byte weights at full memory bandwidth.
@@ -157,20 +119,9 @@ def _int8_bytes_biased(words):
 
 
 @triton.jit
-def _weight_part(w, j: tl.constexpr, PACKED: tl.constexpr, FP8: tl.constexpr):
-    """Part j of a weight tile in float32: byte j of each packed word, or the whole unpacked tile."""
-    if PACKED:
-        return _byte_to_f32(w, j, FP8)
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _packed_tile_by_columns(w, FP8: tl.constexpr, PTX: tl.constexpr):
-    """A packed tile's 4-byte words [BLOCK_N, BLOCK_W] as float32 [BLOCK_N, 4 * BLOCK_W] in K's order, byte j
-    of word c being column 4c + j. The bytes stay in the thread that loaded their word (join and reshape
-    move nothing), so x (and a norm's weight) is read as one contiguous run of K per thread rather than
-    one strided element per byte. PTX: int8 bytes decoded by _int8_bytes_biased (an NVIDIA GPU; Triton's
-    interpreter runs no PTX)."""
+def _packed_parts(w, FP8: tl.constexpr, PTX: tl.constexpr):
+    """A packed tile's 4 byte places in float32: part j holds byte j of each word. PTX: int8 bytes decoded
+    by _int8_bytes_biased (an NVIDIA GPU; Triton's interpreter runs no PTX)."""
     if PTX and not FP8:
         q0, q1, q2, q3 = _int8_bytes_biased(w)
         b0 = q0.to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
@@ -182,7 +133,82 @@ def _packed_tile_by_columns(w, FP8: tl.constexpr, PTX: tl.constexpr):
         b1 = _byte_to_f32(w, 1, FP8)
         b2 = _byte_to_f32(w, 2, FP8)
         b3 = _byte_to_f32(w, 3, FP8)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (w.shape[0], 4 * w.shape[1]))
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _x_row(
+    x_ptrs,
+    gw,
+    ss,
+    cols,
+    k_end,
+    row_ok,
+    K,
+    EVEN_K: tl.constexpr,
+    MASK_M: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
+    X_SCALE: tl.constexpr,
+):
+    """One row of x at `cols` in float32, as the products take it (SILU_MUL: silu(gate) * up, the row being
+    [gate | up] with up K elements after gate; NORM: times gw, the norm's weight, x's squares added to ss;
+    then times X_SCALE)."""
+    x = _load_x(x_ptrs + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
+    if SILU_MUL:
+        up = _load_x(x_ptrs + K + cols, cols, k_end, row_ok, EVEN_K, MASK_M)
+        # rounded to x's dtype as the unfused activation is stored, so the products are the same
+        xf = silu_and_mul_f32(x, up).to(x.dtype).to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+    if NORM:
+        ss += xf * xf
+        xf = xf * gw
+    if X_SCALE != 1.0:
+        xf = xf * X_SCALE
+    return xf, ss
+
+
+@triton.jit
+def _row_dot(
+    acc,
+    ss,
+    w0,
+    w1,
+    w2,
+    w3,
+    gw,
+    x_ptrs,
+    cols,
+    k_end,
+    row_ok,
+    K,
+    EVEN_K: tl.constexpr,
+    MASK_M: tl.constexpr,
+    AT_END: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr,
+    X_SCALE: tl.constexpr,
+    PARTS: tl.constexpr,
+):
+    """acc + a weight tile (fp32) times one row of x at `cols` (as _x_row takes it). PARTS: the tile is a
+    packed one's 4 byte places [BLOCK_N, BLOCK_W] (w0..w3, byte j of word c being column 4c + j), and x,
+    read as one contiguous run of 4 * BLOCK_W columns, is split into its 4 places in registers; else w0 is
+    the whole tile [BLOCK_N, BLOCK_K]."""
+    xf, ss = _x_row(x_ptrs, gw, ss, cols, k_end, row_ok, K, EVEN_K, MASK_M, SILU_MUL, NORM, X_SCALE)
+    if PARTS:
+        even, odd = tl.split(tl.reshape(xf, (w0.shape[1], 2, 2)))  # x[4c + 2p] and x[4c + 2p + 1]
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        prod = w0 * x0[None, :]
+        prod += w1 * x1[None, :]
+        prod += w2 * x2[None, :]
+        prod += w3 * x3[None, :]
+    else:
+        prod = w0 * xf[None, :]
+    if not AT_END:
+        prod = tl.sum(prod, axis=1)
+    return acc + prod, ss
 
 
 @triton.jit
@@ -195,7 +221,10 @@ def _rows_dot(
     ss1,
     ss2,
     ss3,
-    w,
+    w0,
+    w1,
+    w2,
+    w3,
     x_rows,
     stride_xm,
     norm_ptr,
@@ -211,28 +240,101 @@ def _rows_dot(
     SILU_MUL: tl.constexpr,
     NORM: tl.constexpr,
     X_SCALE: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    """One fp32 weight tile times up to 4 rows of x (the columns of x at `cols`, times X_SCALE)."""
+    """One fp32 weight tile (see _row_dot) times up to 4 rows of x (the columns of x at `cols`)."""
     gw = 0.0
     if NORM:  # the norm's weight at these columns, shared by the rows
         gw = _load_x(norm_ptr + cols, cols, k_end, True, EVEN_K, False).to(tl.float32)
     acc0, ss0 = _row_dot(
-        acc0, ss0, w, gw, x_rows, cols, k_end, m0 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM, X_SCALE
+        acc0,
+        ss0,
+        w0,
+        w1,
+        w2,
+        w3,
+        gw,
+        x_rows,
+        cols,
+        k_end,
+        m0 < M,
+        K,
+        EVEN_K,
+        MASK_M,
+        AT_END,
+        SILU_MUL,
+        NORM,
+        X_SCALE,
+        PARTS,
     )
     if BLOCK_M > 1:
         x1 = x_rows + stride_xm
         acc1, ss1 = _row_dot(
-            acc1, ss1, w, gw, x1, cols, k_end, m0 + 1 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM, X_SCALE
+            acc1,
+            ss1,
+            w0,
+            w1,
+            w2,
+            w3,
+            gw,
+            x1,
+            cols,
+            k_end,
+            m0 + 1 < M,
+            K,
+            EVEN_K,
+            MASK_M,
+            AT_END,
+            SILU_MUL,
+            NORM,
+            X_SCALE,
+            PARTS,
         )
     if BLOCK_M > 2:
         x2 = x_rows + 2 * stride_xm
         acc2, ss2 = _row_dot(
-            acc2, ss2, w, gw, x2, cols, k_end, m0 + 2 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM, X_SCALE
+            acc2,
+            ss2,
+            w0,
+            w1,
+            w2,
+            w3,
+            gw,
+            x2,
+            cols,
+            k_end,
+            m0 + 2 < M,
+            K,
+            EVEN_K,
+            MASK_M,
+            AT_END,
+            SILU_MUL,
+            NORM,
+            X_SCALE,
+            PARTS,
         )
     if BLOCK_M > 3:
         x3 = x_rows + 3 * stride_xm
         acc3, ss3 = _row_dot(
-            acc3, ss3, w, gw, x3, cols, k_end, m0 + 3 < M, K, EVEN_K, MASK_M, AT_END, SILU_MUL, NORM, X_SCALE
+            acc3,
+            ss3,
+            w0,
+            w1,
+            w2,
+            w3,
+            gw,
+            x3,
+            cols,
+            k_end,
+            m0 + 3 < M,
+            K,
+            EVEN_K,
+            MASK_M,
+            AT_END,
+            SILU_MUL,
+            NORM,
+            X_SCALE,
+            PARTS,
         )
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
@@ -321,11 +423,6 @@ def _gemv_kernel(
     X_SCALE: tl.constexpr = FP8_X_SCALE if PACKED and FP8 else 1.0
     OUT_SCALE: tl.constexpr = FP8_OUT_SCALE if PACKED and FP8 else 1.0
     BLOCK_W: tl.constexpr = BLOCK_K // PACK
-    # A fused norm or activation works on x per element: those read x by columns (one contiguous run a
-    # thread). A plain packed GEMV keeps the 4 parts a tile (its accumulators a quarter the size), which
-    # measured 3-30% faster alone on an H200 (`bench/gemv.py`; 2026-11-28 in docs/benchmarks.md).
-    BY_COLUMNS: tl.constexpr = PACKED and (NORM or SILU_MUL)
-    ACC_K: tl.constexpr = BLOCK_K if BY_COLUMNS else BLOCK_W
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -340,13 +437,13 @@ def _gemv_kernel(
     w_end = k_end // PACK
     # up to 4 rows of x, each with its own accumulator (one weight tile feeds them all)
     if REDUCE_AT_END:
-        acc0 = tl.zeros([BLOCK_N, ACC_K], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     else:
         acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc1 = acc0  # (only the first BLOCK_M are used)
     acc2 = acc0
     acc3 = acc0
-    ss0 = tl.zeros([ACC_K], dtype=tl.float32)  # each row's squares, for NORM
+    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)  # each row's squares, for NORM (as x is read)
     ss1 = ss0
     ss2 = ss0
     ss3 = ss0
@@ -375,62 +472,43 @@ def _gemv_kernel(
             w_next = tl.load(
                 w_rows + ahead[None, :], mask=ahead[None, :] < w_end, other=0.0, eviction_policy="evict_first"
             )
-        if BY_COLUMNS:
-            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _rows_dot(
-                acc0,
-                acc1,
-                acc2,
-                acc3,
-                ss0,
-                ss1,
-                ss2,
-                ss3,
-                _packed_tile_by_columns(w, FP8, PTX),
-                x_rows,
-                stride_xm,
-                norm_ptr,
-                k + offs_k,
-                k_end,
-                m0,
-                M,
-                K,
-                BLOCK_M,
-                EVEN_K,
-                MASK_M,
-                REDUCE_AT_END,
-                SILU_MUL,
-                NORM,
-                X_SCALE,
-            )
+        if PACKED:
+            w0, w1, w2, w3 = _packed_parts(w, FP8, PTX)
         else:
-            # a packed tile is 4 parts, byte j of int32 word c being weight column 4c + j; a plain one is 1
-            for j in tl.static_range(PACK):
-                acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _rows_dot(
-                    acc0,
-                    acc1,
-                    acc2,
-                    acc3,
-                    ss0,
-                    ss1,
-                    ss2,
-                    ss3,
-                    _weight_part(w, j, PACKED, FP8),
-                    x_rows,
-                    stride_xm,
-                    norm_ptr,
-                    cols * PACK + j,
-                    k_end,
-                    m0,
-                    M,
-                    K,
-                    BLOCK_M,
-                    EVEN_K,
-                    MASK_M,
-                    REDUCE_AT_END,
-                    SILU_MUL,
-                    NORM,
-                    X_SCALE,
-                )
+            w0 = w.to(tl.float32)
+            w1 = w0  # (unused)
+            w2 = w0
+            w3 = w0
+        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _rows_dot(
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            ss0,
+            ss1,
+            ss2,
+            ss3,
+            w0,
+            w1,
+            w2,
+            w3,
+            x_rows,
+            stride_xm,
+            norm_ptr,
+            k + offs_k,
+            k_end,
+            m0,
+            M,
+            K,
+            BLOCK_M,
+            EVEN_K,
+            MASK_M,
+            REDUCE_AT_END,
+            SILU_MUL,
+            NORM,
+            X_SCALE,
+            PACKED,
+        )
         w = w_next
     _store_row(
         acc0,

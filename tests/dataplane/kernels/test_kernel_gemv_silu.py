@@ -68,16 +68,6 @@ def reference(gate_up, weight, bias, scale):
     return out.to(gate_up.dtype)
 
 
-def assert_as_unfused(got: torch.Tensor, want: torch.Tensor, weights: str) -> None:
-    """bf16 weights: bit for bit (the same products summed in the same order). 1-byte weights: within one
-    bf16 ulp, since the fused kernel sums a tile's columns in K's order (it reads x by columns) where the
-    plain one sums each byte place of the tile's words in turn."""
-    if weights == "bf16":
-        assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
-    else:
-        assert_within_one_ulp(got, want)
-
-
 def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
     """bf16 results that differ by at most one unit in the last place of the larger of the two. Results
     below a thousandth of the largest count as that size: there another summation order's fp32 error,
@@ -94,8 +84,7 @@ def assert_within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_fused_activation_gives_the_unfused_result(device, weights, launch):
-    """At the same launch configuration, bit for bit for bf16 weights (assert_as_unfused): the activation
-    is rounded as silu_and_mul stores it."""
+    """Bit for bit at the same launch configuration: the activation is rounded as silu_and_mul stores it."""
     from modelfleet.dataplane.kernels.gemv import gemv
 
     skip_fp8_where_missing(weights, device)
@@ -106,7 +95,7 @@ def test_fused_activation_gives_the_unfused_result(device, weights, launch):
     got = gemv(gate_up, weight, bias, scale=scale, config=config, silu_mul=True)
     want = unfused(gate_up, weight, bias, scale, config)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    assert_as_unfused(got, want, weights)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
     torch.testing.assert_close(got, reference(gate_up, weight, bias, scale), **TOL)
 
 
@@ -115,8 +104,8 @@ def test_fused_activation_gives_the_unfused_result(device, weights, launch):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize(("n", "k"), DOWN_SHAPES)
 def test_fused_on_the_decode_shapes(device, weights, m, n, k):
-    """As the unfused path at the same configuration (assert_as_unfused); within one bf16 ulp of it at each
-    path's own default (the fused one may take wider row blocks, which sums in another order)."""
+    """Equal to the unfused path at the same configuration; within one bf16 ulp of it at each path's own
+    default (the fused one may take wider row blocks, which sums in another order)."""
     from modelfleet.dataplane.kernels.gemv import _num_sms, default_config, gemv
 
     skip_fp8_where_missing(weights, device)
@@ -124,7 +113,7 @@ def test_fused_on_the_decode_shapes(device, weights, m, n, k):
     weight, scale = down_weight(n, k, weights, device)
     config = default_config(m, n, k, _num_sms(device), weight.element_size(), silu_mul=True)
     got = gemv(gate_up, weight, scale=scale, silu_mul=True)
-    assert_as_unfused(got, unfused(gate_up, weight, None, scale, config), weights)
+    assert torch.equal(got, unfused(gate_up, weight, None, scale, config))
     assert_within_one_ulp(got, unfused(gate_up, weight, None, scale))
     torch.testing.assert_close(got, reference(gate_up, weight, None, scale), **TOL)
 
@@ -263,7 +252,7 @@ def count_fused_gemvs(monkeypatch) -> list:
 def test_decode_logits_with_the_fused_mlp_equal_the_unfused(device, monkeypatch, weights, batch):
     """Every layer's MLP fuses where its down projection is a GEMV (bf16: up to 2 rows, quantized: up to
     4), and the logits are those of the separate activation kernel: exactly where both paths launch the
-    down GEMV alike with bf16 weights, else within the rounding of a different summation order."""
+    down GEMV alike, else within the rounding of a different summation order."""
     if device.type != "cuda":
         pytest.skip("the MLP fuses on CUDA devices only")
     skip_fp8_where_missing(weights, device)
@@ -282,9 +271,7 @@ def test_decode_logits_with_the_fused_mlp_equal_the_unfused(device, monkeypatch,
     assert len(calls) == (LAYERS if batch <= most else 0)  # none more with the fusion off
     weight_bytes = 2 if weights == "bf16" else 1
     shape = (batch, HIDDEN, INTERMEDIATE, _num_sms(device), weight_bytes)
-    # 1-byte weights: the fused kernel sums in another order even at the same launch (assert_as_unfused)
-    same_launch = weights == "bf16" and default_config(*shape, silu_mul=True) == default_config(*shape)
-    if batch > most or same_launch:
+    if batch > most or default_config(*shape, silu_mul=True) == default_config(*shape):
         assert torch.equal(fused, plain), (fused - plain).abs().max().item()
     else:
         torch.testing.assert_close(fused, plain, **TOL)
