@@ -664,7 +664,9 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 # Fastest for 1-byte weights with scales at one row of x (`bench/gemv.py --sweep --weight-dtype int8`, and
 # fp8, on an H100, two sweeps each): the config taken is first or close behind for both formats (their
 # differences were within the 2-5% that one config varies between sweeps). The bytes are decoded in
-# registers, so more rows per program than for bf16 pay: they share each load of x.
+# registers, so more rows per program than for bf16 pay: they share each load of x. Swept before x was read
+# in one contiguous run (2026-11-28); not swept again since (on an H200 the 1B shapes' plain GEMVs lost
+# up to 9% int8 with that change, the fused ones and the 8B shapes gained).
 TUNED_ONE_BYTE: dict[tuple[int, int, int], GemvConfig] = {
     (3072, 2048, 1): _cfg(4, 512),
     (2048, 2048, 1): _cfg(4, 1024),
