@@ -17,6 +17,13 @@ per second), `<fmt>_speedup` over the bf16 GEMV of the same shape, measured the 
 
 --sweep compiles the grid in parallel worker processes first (Triton's disk cache keeps the kernels), then
 times every config of every shape and M and reports the fastest; its winners are gemv.py's TUNED table.
+
+--as-model times (and sweeps) each projection as a Llama decode layer calls it (LlamaDecoderLayer.
+forward_fused): qkv and gate_up with the RMSNorm inside (norm=), o with the residual add (residual=), down
+with SiLU-and-mul and the residual add, the lm_head plain. The fused calls are what a decode step spends
+its time in, and they rank launch configs differently from the plain GEMV.
+    python bench/gemv.py --as-model --weight-dtype int8 --weight-dtype fp8
+    python bench/gemv.py --as-model --sweep --weight-dtype int8
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ SHAPES = [
     ("llama-8b", "down_proj", 4096, 14336),
     ("llama-8b", "lm_head", 128256, 4096),  # untied: it goes through the same op
 ]
+# How forward_fused calls each projection's GEMV at decode (--as-model): the RMSNorm inside, the residual
+# added in place, SiLU-and-mul of the gate_up output inside.
+AS_MODEL = {
+    "qkv_proj": {"norm": True},
+    "o_proj": {"residual": True},
+    "gate_up_proj": {"norm": True},
+    "down_proj": {"silu_mul": True, "residual": True},
+    "lm_head": {},
+}
 CALLS_PER_GRAPH = 20
 ROTATE_BYTES = 256 << 20  # weight copies per shape until the set is ~5x the 50 MB L2
 REPLAYS = 7
@@ -91,7 +107,7 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def gemv_call(config=None):
     from modelfleet.dataplane.kernels.gemv import gemv
 
-    return lambda x, w: gemv(x, w, config=config)
+    return lambda x, w, **fusion: gemv(x, w, config=config, **fusion)
 
 
 def tbps(n: int, k: int, dtype: torch.dtype, us: float) -> float:
@@ -106,37 +122,58 @@ def quantized_copies(n: int, k: int, fmt: str, device: torch.device) -> list[tup
     return [quantize(torch.randn(n, k, device=device) / math.sqrt(k), fmt) for _ in range(count)]
 
 
-def quantized_gemv(x: torch.Tensor, pair: tuple, config=None) -> torch.Tensor:
+def quantized_gemv(x: torch.Tensor, pair: tuple, config=None, **fusion) -> torch.Tensor:
     from modelfleet.dataplane.kernels.gemv import gemv
 
-    return gemv(x, pair[0], scale=pair[1], config=config)
+    return gemv(x, pair[0], scale=pair[1], config=config, **fusion)
 
 
 def quantized_call(config=None):
-    return lambda x, pair: quantized_gemv(x, pair, config)
+    return lambda x, pair, **fusion: quantized_gemv(x, pair, config, **fusion)
 
 
-def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtypes: list[str]) -> dict:
+def as_called(call, proj: str, n: int, k: int, m: int, dtype: torch.dtype, device, as_model: bool):
+    """(call(x, weight), x): `call` plain with x [m, K], or (as_model) with the keywords forward_fused
+    gives `proj`'s GEMV (AS_MODEL) and its x: [m, 2K] for the down projection's SiLU-and-mul. The norm's
+    weight and the residual (added to in place, call after call) are made once here."""
+    fusion = dict(AS_MODEL[proj]) if as_model else {}
+    x = torch.randn(m, 2 * k if fusion.get("silu_mul") else k, device=device).to(dtype)
+    if fusion.pop("norm", False):
+        fusion["norm"] = (torch.rand(k, device=device).to(dtype) + 0.5, 1e-5)
+    if fusion.pop("residual", False):
+        fusion["residual"] = torch.zeros(m, n, device=device, dtype=dtype)
+    return (lambda x, w: call(x, w, **fusion)), x
+
+
+def compare(
+    ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtypes: list[str], as_model: bool = False
+) -> dict:
+    """Per shape and M: cuBLAS (plain), the GEMV and each 1-byte format's, plain or (as_model) as
+    forward_fused calls them."""
     from modelfleet.dataplane.kernels.gemv import default_config
 
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     for (model, proj, n, k), m in itertools.product(SHAPES, ms):
+        silu_mul = as_model and AS_MODEL[proj].get("silu_mul", False)
+
+        def timed(call, weights, proj=proj, n=n, k=k, m=m) -> float:
+            fused, x = as_called(call, proj, n, k, m, dtype, device, as_model)
+            return graph_us(fused, weights, x)
+
         weights = weight_copies(n, k, dtype, device)
-        x = torch.randn(m, k, device=device).to(dtype)
-        base = graph_us(cublas, weights, x)
-        ours = graph_us(gemv_call(), weights, x)
-        config = default_config(m, n, k, torch.cuda.get_device_properties(device).multi_processor_count)
-        no_pdl = graph_us(gemv_call(dataclasses.replace(config, use_pdl=False)), weights, x)
+        base = graph_us(cublas, weights, torch.randn(m, k, device=device).to(dtype))
+        ours = timed(gemv_call(), weights)
+        config = default_config(m, n, k, sms, silu_mul=silu_mul)
+        no_pdl = timed(gemv_call(dataclasses.replace(config, use_pdl=False)), weights)
         del weights
         quantized = {}
         for fmt in weight_dtypes:
             pairs = quantized_copies(n, k, fmt, device)
-            q_us = graph_us(quantized_gemv, pairs, x)
-            q_config = default_config(
-                m, n, k, torch.cuda.get_device_properties(device).multi_processor_count, 1
-            )
+            q_us = timed(quantized_call(), pairs)
+            q_config = default_config(m, n, k, sms, 1, silu_mul=silu_mul)
             # the same launch decoding its bytes with conversion instructions instead of bit operations
-            cvt_us = graph_us(quantized_call(dataclasses.replace(q_config, decode_bits=False)), pairs, x)
+            cvt_us = timed(quantized_call(dataclasses.replace(q_config, decode_bits=False)), pairs)
             quantized[f"{fmt}_us"] = round(q_us, 2)
             quantized[f"{fmt}_cvt_us"] = round(cvt_us, 2)
             quantized[f"{fmt}_tbps"] = round((n * k + 4 * n) / q_us / 1e6, 3)
@@ -149,6 +186,7 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtyp
                 "n": n,
                 "k": k,
                 "m": m,
+                "as_model": AS_MODEL[proj] if as_model else {},
                 "cublas_us": round(base, 2),
                 "gemv_us": round(ours, 2),
                 "gemv_without_pdl_us": round(no_pdl, 2),
@@ -175,8 +213,18 @@ def compare(ms: list[int], dtype: torch.dtype, device: torch.device, weight_dtyp
 # ---- --sweep: a grid of launch configurations per (shape, M) ----
 
 
-def sweep_configs(m: int, n: int, k: int, weight_bytes: int = 2) -> list:
-    from modelfleet.dataplane.kernels.gemv import MAX_ROWS_PER_PROGRAM, GemvConfig
+def _one_pass(proj: str) -> bool:
+    """Whether forward_fused's call of proj keeps K whole in each program (a norm or a residual add)."""
+    fusion = AS_MODEL[proj]
+    return bool(fusion.get("norm") or fusion.get("residual"))
+
+
+def sweep_configs(
+    m: int, n: int, k: int, weight_bytes: int = 2, one_pass: bool = False, silu_mul: bool = False
+) -> list:
+    """The grid of launch configs for one shape; one_pass: no K split (the call would drop it); silu_mul:
+    row blocks of at least SILU_MUL_MIN_BLOCK_N (what default_config gives the fused activation)."""
+    from modelfleet.dataplane.kernels.gemv import MAX_ROWS_PER_PROGRAM, SILU_MUL_MIN_BLOCK_N, GemvConfig
 
     rows = min(m, MAX_ROWS_PER_PROGRAM)
     configs = []
@@ -187,7 +235,9 @@ def sweep_configs(m: int, n: int, k: int, weight_bytes: int = 2) -> list:
     ):
         # fp32 accumulator (or product) registers per thread; a packed 1-byte tile decodes a quarter at a time
         per_thread = rows * bn * bk / (32 * nw) / (4 if weight_bytes == 1 else 1)
-        if per_thread > 64 or per_thread < 2 or bk > k or k // split < 2 * bk:
+        if per_thread > 64 or per_thread < 2 or bk > k or k // split < 2 * bk or (one_pass and split > 1):
+            continue
+        if silu_mul and bn < SILU_MUL_MIN_BLOCK_N:
             continue
         if nw == 8 and bn * bk < 8192:
             continue
@@ -204,8 +254,7 @@ _WORKER_WEIGHTS: dict = {}
 
 
 def _compile_task(task) -> str | None:
-    m, config, dtype_name, fmt = task
-    from modelfleet.dataplane.kernels.gemv import gemv
+    m, config, dtype_name, fmt, proj = task
     from modelfleet.dataplane.quantization import quantize
 
     dtype = getattr(torch, dtype_name)
@@ -214,7 +263,11 @@ def _compile_task(task) -> str | None:
             w = torch.randn(4096, 16384, device="cuda")
             _WORKER_WEIGHTS[(dtype, fmt)] = quantize(w, fmt) if fmt else (w.to(dtype), None)
         w, scale = _WORKER_WEIGHTS[(dtype, fmt)]
-        gemv(torch.randn(m, w.shape[1], device="cuda").to(dtype), w, scale=scale, config=config)
+        n, k = w.shape
+        kernel = quantized_call(config) if fmt else gemv_call(config)
+        # proj None: the plain GEMV; else the launch as forward_fused makes it for proj (AS_MODEL)
+        call, x = as_called(kernel, proj or "lm_head", n, k, m, dtype, "cuda", proj is not None)
+        call(x, (w, scale) if fmt else w)
         torch.cuda.synchronize()
         return None
     except Exception as exc:  # a config that does not compile is reported, not fatal
@@ -235,17 +288,36 @@ def sweep(
     workers: int,
     progress_path: str | None,
     fmt: str | None = None,
+    as_model: bool = False,
 ) -> dict:
-    """The fastest launch configs per shape and M, of bf16 weights or (fmt) 1-byte ones with scales."""
+    """The fastest launch configs per shape and M, of bf16 weights or (fmt) 1-byte ones with scales; the
+    GEMVs plain or (as_model) as forward_fused calls them."""
     t0 = time.monotonic()
     weight_bytes = 1 if fmt else 2
-    grid = {(m, n, k): sweep_configs(m, n, k, weight_bytes) for m in ms for _, _, n, k in SHAPES}
+    grid = {
+        (m, proj): sweep_configs(
+            m,
+            n,
+            k,
+            weight_bytes,
+            one_pass=as_model and _one_pass(proj),
+            silu_mul=as_model and AS_MODEL[proj].get("silu_mul", False),
+        )
+        for m in ms
+        for _, proj, n, k in SHAPES
+    }
     # one compile per distinct kernel: the shapes share their specialisations (N, K multiples of 16)
     # (the split count only changes the small reduce kernel, compiled on first use)
     tasks = sorted(
         {
-            (m, dataclasses.replace(c, split_k=min(c.split_k, 2)), str(dtype).split(".")[1], fmt)
-            for (m, _, _), cs in grid.items()
+            (
+                m,
+                dataclasses.replace(c, split_k=min(c.split_k, 2)),
+                str(dtype).split(".")[1],
+                fmt,
+                proj if as_model and AS_MODEL[proj] else None,
+            )
+            for (m, proj), cs in grid.items()
             for c in cs
         },
         key=str,
@@ -261,24 +333,26 @@ def sweep(
             if time.monotonic() - t0 > budget_s:
                 skipped += 1
                 continue
-            x = torch.randn(m, k, device=device).to(dtype)
+            kernel = quantized_call if fmt else gemv_call
+            call, x = as_called(kernel(), proj, n, k, m, dtype, device, as_model)
             if fmt:
                 from modelfleet.dataplane.quantization import dequantize
 
                 weights = quantized_copies(n, k, fmt, device)
-                want = F.linear(x.float(), dequantize(*weights[0]).float())
-                base = graph_us(quantized_call(), weights, x)
+                want = None if as_model else F.linear(x.float(), dequantize(*weights[0]).float())
+                base = graph_us(call, weights, x)
             else:
                 weights = weight_copies(n, k, dtype, device)
-                want = F.linear(x.float(), weights[0].float())
-                base = graph_us(cublas, weights, x)
+                want = None if as_model else F.linear(x.float(), weights[0].float())
+                base = graph_us(cublas, weights, x) if not as_model else float("nan")
             timed = []
-            for config in grid[(m, n, k)]:
+            for config in grid[(m, proj)]:
                 if time.monotonic() - t0 > budget_s:
                     break
-                call = quantized_call(config) if fmt else gemv_call(config)
+                call, x = as_called(kernel(config), proj, n, k, m, dtype, device, as_model)
                 try:
-                    err = (call(x, weights[0]).float() - want).abs().max().item()
+                    # the plain GEMV's error against float32 (a fused call's is the kernel tests')
+                    err = 0.0 if want is None else (call(x, weights[0]).float() - want).abs().max().item()
                     timed.append((graph_us(call, weights, x), err, config))
                 except Exception as exc:
                     compile_errors.append(
@@ -286,7 +360,8 @@ def sweep(
                     )
             timed.sort(key=lambda t: t[0])
             try:
-                default_us = base if fmt else graph_us(gemv_call(), weights, x)
+                default_call, default_x = as_called(gemv_call(), proj, n, k, m, dtype, device, as_model)
+                default_us = base if fmt else graph_us(default_call, weights, default_x)
             except Exception as exc:
                 default_us = float("nan")
                 compile_errors.append(f"default config at m={m} n={n} k={k}: {type(exc).__name__}")
@@ -297,7 +372,7 @@ def sweep(
                     "m": m,
                     "n": n,
                     "k": k,
-                    "cublas_us": None if fmt else round(base, 2),
+                    "cublas_us": None if fmt or as_model else round(base, 2),
                     "default_us": round(default_us, 2),
                     "tried": len(timed),
                     "max_err": round(max((t[1] for t in timed), default=0.0), 5),
@@ -337,6 +412,9 @@ def main() -> int:
         help="also time the GEMV on these 1-byte weights (--sweep: sweep the first of them, not bf16)",
     )
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch configurations")
+    parser.add_argument(
+        "--as-model", action="store_true", help="each GEMV as the Llama decode layer calls it (AS_MODEL)"
+    )
     parser.add_argument("--budget-s", type=float, default=150.0, help="--sweep: stop timing after this")
     parser.add_argument("--workers", type=int, default=14, help="--sweep: parallel compile processes")
     parser.add_argument("--out", help="also write the result to this file")
@@ -350,10 +428,15 @@ def main() -> int:
     if args.sweep:
         progress = f"{args.out}.partial" if args.out else None
         fmt = args.weight_dtype[0] if args.weight_dtype else None
-        result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress, fmt)
+        result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress, fmt, args.as_model)
     else:
-        result = compare(args.m, dtype, device, args.weight_dtype)
-    result = {"device": torch.cuda.get_device_name(device), "dtype": args.dtype, **result}
+        result = compare(args.m, dtype, device, args.weight_dtype, args.as_model)
+    result = {
+        "device": torch.cuda.get_device_name(device),
+        "dtype": args.dtype,
+        "as_model": args.as_model,
+        **result,
+    }
     line = json.dumps(result)
     print(line)
     if args.out:
