@@ -404,6 +404,7 @@ def summarize(results: list[Result], duration: float, input_len: int) -> dict:
         "first_error": next((r.error for r in results if not r.ok), None),
         "duration_s": round(duration, 3),
         "request_throughput": round(len(ok) / duration, 3),
+        "output_tokens": out_tokens,
         "output_throughput_tok_s": round(out_tokens / duration, 2),
         "total_token_throughput_tok_s": round((out_tokens + input_len * len(ok)) / duration, 2),
         "ttft_ms": stats([r.ttft for r in ok]),
