@@ -132,7 +132,7 @@ def quantized_call(config=None):
     return lambda x, pair, **fusion: quantized_gemv(x, pair, config, **fusion)
 
 
-def as_called(call, proj: str, n: int, k: int, m: int, dtype: torch.dtype, device, as_model: bool):
+def as_called(call, proj: str | None, n: int, k: int, m: int, dtype: torch.dtype, device, as_model: bool):
     """(call(x, weight), x): `call` plain with x [m, K], or (as_model) with the keywords forward_fused
     gives `proj`'s GEMV (AS_MODEL) and its x: [m, 2K] for the down projection's SiLU-and-mul. The norm's
     weight and the residual (added to in place, call after call) are made once here."""
@@ -266,7 +266,7 @@ def _compile_task(task) -> str | None:
         n, k = w.shape
         kernel = quantized_call(config) if fmt else gemv_call(config)
         # proj None: the plain GEMV; else the launch as forward_fused makes it for proj (AS_MODEL)
-        call, x = as_called(kernel, proj or "lm_head", n, k, m, dtype, "cuda", proj is not None)
+        call, x = as_called(kernel, proj, n, k, m, dtype, "cuda", proj is not None)
         call(x, (w, scale) if fmt else w)
         torch.cuda.synchronize()
         return None
@@ -334,13 +334,14 @@ def sweep(
                 skipped += 1
                 continue
             kernel = quantized_call if fmt else gemv_call
-            call, x = as_called(kernel(), proj, n, k, m, dtype, device, as_model)
+            # the GEMV at its default launch config, and the x every config is timed on
+            default_call, x = as_called(kernel(), proj, n, k, m, dtype, device, as_model)
             if fmt:
                 from modelfleet.dataplane.quantization import dequantize
 
                 weights = quantized_copies(n, k, fmt, device)
                 want = None if as_model else F.linear(x.float(), dequantize(*weights[0]).float())
-                base = graph_us(call, weights, x)
+                base = graph_us(default_call, weights, x)
             else:
                 weights = weight_copies(n, k, dtype, device)
                 want = None if as_model else F.linear(x.float(), weights[0].float())
@@ -349,7 +350,7 @@ def sweep(
             for config in grid[(m, proj)]:
                 if time.monotonic() - t0 > budget_s:
                     break
-                call, x = as_called(kernel(config), proj, n, k, m, dtype, device, as_model)
+                call, _ = as_called(kernel(config), proj, n, k, m, dtype, device, as_model)
                 try:
                     # the plain GEMV's error against float32 (a fused call's is the kernel tests')
                     err = 0.0 if want is None else (call(x, weights[0]).float() - want).abs().max().item()
@@ -360,8 +361,7 @@ def sweep(
                     )
             timed.sort(key=lambda t: t[0])
             try:
-                default_call, default_x = as_called(gemv_call(), proj, n, k, m, dtype, device, as_model)
-                default_us = base if fmt else graph_us(default_call, weights, default_x)
+                default_us = base if fmt else graph_us(default_call, weights, x)
             except Exception as exc:
                 default_us = float("nan")
                 compile_errors.append(f"default config at m={m} n={n} k={k}: {type(exc).__name__}")

@@ -21,12 +21,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-# What forward_fused passes each kind of GEMV (bench/gemv.py's AS_MODEL), as the kernel's flags.
+from gemv import AS_MODEL
+
+# The kernel's flag for each of gemv()'s fusion keywords.
+_FLAGS = {"norm": "NORM", "residual": "ADD_RESIDUAL", "silu_mul": "SILU_MUL"}
+# Each kind of GEMV forward_fused launches (bench/gemv.py's AS_MODEL), as the kernel's flags.
 FUSIONS = {
-    "none": {},
-    "norm": {"NORM": True},
-    "residual": {"ADD_RESIDUAL": True},
-    "silu_mul": {"SILU_MUL": True, "ADD_RESIDUAL": True},
+    name: {_FLAGS[key]: True for key in AS_MODEL[proj]}
+    for name, proj in (
+        ("none", "lm_head"),
+        ("norm", "qkv_proj"),
+        ("residual", "o_proj"),
+        ("silu_mul", "down_proj"),
+    )
 }
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _LABEL = re.compile(r"^(\.L_x_\d+):")

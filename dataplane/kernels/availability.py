@@ -27,12 +27,14 @@ def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel scheduled while its predecessor drains; it waits with
     `gdc_wait` before reading that predecessor's output) needs an NVIDIA GPU of compute capability 9.0
     (Hopper) or newer, and is on unless MODELFLEET_PDL=0 (the variable is read once per process)."""
-    return (
-        _pdl_allowed_by_env()
-        and device.type == "cuda"
-        and torch.version.hip is None
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+    return _pdl_allowed_by_env() and nvidia_gpu(device) and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
+def nvidia_gpu(device: torch.device) -> bool:
+    """An NVIDIA GPU, where kernels may use PTX (inline assembly) and libdevice: not ROCm, and not Triton's
+    interpreter on the CPU."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def next_power_of_2(n: int) -> int:

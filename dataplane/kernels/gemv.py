@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 from modelfleet.dataplane.kernels.activation import silu_and_mul_f32
-from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
+from modelfleet.dataplane.kernels.availability import next_power_of_2, nvidia_gpu, pdl_supported
 
 NUM_SMS_FALLBACK = 132
 MAX_ROWS_PER_PROGRAM = 4  # rows of x one program multiplies (more rows: more programs along M)
@@ -50,6 +50,8 @@ SILU_MUL_MIN_BLOCK_N = 4  # weight rows per program that share the fused activat
 # as x times 2**64 and the finished sums times 2**56: powers of two, so exact, and every product stays a
 # normal float32 (a product of the decoded weight and x alone would often be subnormal).
 FP8_X_SCALE = tl.constexpr(2.0**64)
+# An int8 byte offset to 0..255 in the low mantissa bits of 2**23 reads as 2**23 + 128 + byte (_byte_to_f32).
+INT8_BIAS = tl.constexpr(8388736.0)
 FP8_OUT_SCALE = tl.constexpr(2.0**56)
 
 
@@ -90,7 +92,7 @@ def _byte_to_f32(words, j: tl.constexpr, FP8: tl.constexpr):
         bits = (top >> 4) & -2014314496  # 0x87F00000 as int32: the sign, 4 exponent and 3 mantissa bits
         return bits.to(tl.float32, bitcast=True)
     byte = (words >> (8 * j)) & 0xFF
-    return (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
+    return (byte ^ 0x4B000080).to(tl.float32, bitcast=True) - INT8_BIAS
 
 
 @triton.jit
@@ -124,10 +126,10 @@ def _packed_parts(w, FP8: tl.constexpr, PTX: tl.constexpr):
     by _int8_bytes_biased (an NVIDIA GPU; Triton's interpreter runs no PTX)."""
     if PTX and not FP8:
         q0, q1, q2, q3 = _int8_bytes_biased(w)
-        b0 = q0.to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
-        b1 = q1.to(tl.float32, bitcast=True) - 8388736.0
-        b2 = q2.to(tl.float32, bitcast=True) - 8388736.0
-        b3 = q3.to(tl.float32, bitcast=True) - 8388736.0
+        b0 = q0.to(tl.float32, bitcast=True) - INT8_BIAS
+        b1 = q1.to(tl.float32, bitcast=True) - INT8_BIAS
+        b2 = q2.to(tl.float32, bitcast=True) - INT8_BIAS
+        b3 = q3.to(tl.float32, bitcast=True) - INT8_BIAS
     else:
         b0 = _byte_to_f32(w, 0, FP8)
         b1 = _byte_to_f32(w, 1, FP8)
@@ -838,7 +840,7 @@ def gemv(
         USE_PDL=pdl,
         PACKED=packed,
         FP8=weight.dtype == torch.float8_e4m3fn,
-        PTX=x.device.type == "cuda" and torch.version.hip is None,
+        PTX=nvidia_gpu(x.device),
         SILU_MUL=silu_mul,
         NORM=norm is not None,
         ADD_RESIDUAL=residual is not None,

@@ -23,7 +23,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from modelfleet.dataplane.kernels.availability import next_power_of_2, pdl_supported
+from modelfleet.dataplane.kernels.availability import next_power_of_2, nvidia_gpu, pdl_supported
 from triton.language.extra import libdevice
 
 # Columns per sub-block. One Philox call yields four uniforms, used by four consecutive sub-blocks of a
@@ -270,11 +270,6 @@ def _reduce_kernel(
     tl.store(nan_rows_ptr + row, tl.max(nan, 0) != 0)
 
 
-def _fast_log_usable(device: torch.device) -> bool:
-    """libdevice's fast log exists on NVIDIA GPUs only (not ROCm, not Triton's CPU interpreter)."""
-    return device.type == "cuda" and torch.version.hip is None
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -376,7 +371,7 @@ def sample_tokens(
         tiles_per_chunk * _TILE,
         num_chunks,
         SUB=_SUB,
-        FAST_LOG=_fast_log_usable(device),
+        FAST_LOG=nvidia_gpu(device),  # libdevice's fast log
         USE_PDL=use_pdl,
         MASKED=mask is not None,
         NUM_FAR=mask.far_ids.numel() if mask is not None else 0,
