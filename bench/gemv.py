@@ -289,6 +289,7 @@ def sweep(
     progress_path: str | None,
     fmt: str | None = None,
     as_model: bool = False,
+    top: int = 5,
 ) -> dict:
     """The fastest launch configs per shape and M, of bf16 weights or (fmt) 1-byte ones with scales; the
     GEMVs plain or (as_model) as forward_fused calls them."""
@@ -382,7 +383,7 @@ def sweep(
                             "tbps": round(n * k * weight_bytes / us / 1e6, 3),
                             "config": str(c),
                         }
-                        for us, _, c in timed[:5]
+                        for us, _, c in timed[:top]
                     ],
                 }
             )
@@ -417,6 +418,7 @@ def main() -> int:
     )
     parser.add_argument("--budget-s", type=float, default=150.0, help="--sweep: stop timing after this")
     parser.add_argument("--workers", type=int, default=14, help="--sweep: parallel compile processes")
+    parser.add_argument("--top", type=int, default=5, help="--sweep: the fastest configs reported per shape")
     parser.add_argument("--out", help="also write the result to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -428,7 +430,9 @@ def main() -> int:
     if args.sweep:
         progress = f"{args.out}.partial" if args.out else None
         fmt = args.weight_dtype[0] if args.weight_dtype else None
-        result = sweep(args.m, dtype, device, args.budget_s, args.workers, progress, fmt, args.as_model)
+        result = sweep(
+            args.m, dtype, device, args.budget_s, args.workers, progress, fmt, args.as_model, args.top
+        )
     else:
         result = compare(args.m, dtype, device, args.weight_dtype, args.as_model)
     result = {

@@ -663,21 +663,21 @@ TUNED: dict[tuple[int, int, int], GemvConfig] = {
 }
 
 
-# Fastest for 1-byte weights with scales at one row of x (`bench/gemv.py --sweep --weight-dtype int8`, and
-# fp8, on an H100, two sweeps each): the config taken is first or close behind for both formats (their
-# differences were within the 2-5% that one config varies between sweeps). The bytes are decoded in
-# registers, so more rows per program than for bf16 pay: they share each load of x. Swept before x was read
-# in one contiguous run (2026-11-28); not swept again since (on an H200 the 1B shapes' plain GEMVs lost
-# up to 9% int8 with that change, the fused ones and the 8B shapes gained).
+# Fastest for 1-byte weights with scales at one row of x, as the decode layer calls each GEMV (the norm in
+# qkv and gate_up, the residual add in o, SiLU-and-mul and the residual add in down: `bench/gemv.py
+# --as-model --sweep --weight-dtype int8`, and fp8, on an H200, 2026-11-28): the config taken is the one
+# furthest from neither format's fastest (within 4% of both). The bytes are decoded in registers, so more
+# rows per program than for bf16 pay: they share each load of x. Where the sweep found nothing faster than
+# the H100 sweep's config by more than its noise (the 8B o, down and lm_head), that config stays.
 TUNED_ONE_BYTE: dict[tuple[int, int, int], GemvConfig] = {
-    (3072, 2048, 1): _cfg(4, 512),
-    (2048, 2048, 1): _cfg(4, 1024),
-    (16384, 2048, 1): _cfg(4, 1024),
-    (2048, 8192, 1): _cfg(4, 2048, num_warps=8),
-    (128256, 2048, 1): _cfg(16, 1024),  # the 1B's tied embeddings as a quantized lm_head
-    (6144, 4096, 1): _cfg(4, 2048, num_warps=8),
+    (3072, 2048, 1): _cfg(8, 1024),
+    (2048, 2048, 1): _cfg(8, 2048, reduce_at_end=False),
+    (16384, 2048, 1): _cfg(16, 512),
+    (2048, 8192, 1): _cfg(16, 2048, num_warps=8),
+    (128256, 2048, 1): _cfg(16, 512),  # the 1B's tied embeddings as a quantized lm_head
+    (6144, 4096, 1): _cfg(16, 1024, reduce_at_end=False),
     (4096, 4096, 1): _cfg(16, 1024, num_warps=8),
-    (28672, 4096, 1): _cfg(8, 2048),
+    (28672, 4096, 1): _cfg(16, 512),
     (4096, 14336, 1): _cfg(16, 1024, num_warps=8),
     (128256, 4096, 1): _cfg(16, 512),
 }
