@@ -6,7 +6,7 @@ the run, so every step masks every row): json_schema_serial with the grammar fil
 (Sampler.begin(overlap=False), as before the fill overlapped), json_schema as the engine runs it.
 Prints one JSON line per mode with the median and mean wall (and thread-CPU) milliseconds of a whole
 `LLMEngine.step()` and of its structured part: the time in the sampler's grammar calls on the engine
-thread (`GrammarMasks.begin` and `finish`) and in any `GrammarMatcher.accept_token` outside them, then
+thread (`GrammarMasks.begin` and its finish) and in any `GrammarMatcher.accept_token` outside them, then
 that part's pieces: `wait` (reading back the previous step's tokens: the device's time), `accept` (the
 matchers' accept_token), `fill_wait` (finish's wait for a fill still running on the worker), `mask` (the
 masking, queued on a GPU), and `structured_host` (the structured part less its waits); and `fill`
@@ -17,6 +17,11 @@ off the engine thread's path), `process` (LLMEngine._process, which the fill ove
     python bench/structured_overhead.py --vocab 128256 --num-seqs 64 --steps 60   # /tmp/m1b's vocabulary
     python bench/structured_overhead.py --vocab 128256 --device cuda --num-seqs 64 --steps 200
     python bench/structured_overhead.py --vocab 128256 --bpe --schema records --device cuda --steps 200
+    python bench/structured_overhead.py --model DIR --device cuda --schema records --trace traces/
+
+--trace DIR: after each mode's timed steps, a torch profiler trace (Chrome's format) of --trace-steps more,
+the engine's phases named (schedule, launch, launch_sample, finish_launched, process): a gap in the GPU's
+kernels shows which host work it waited for.
 
 --vocab N: the tiny model's layers with the demo tokenizer (~2.2k tokens) padded to N ids, eos at N-255:
 the vocabulary of bench/throughput.py's presets as bench/serve.py serves them with the demo tokenizer.
@@ -55,6 +60,14 @@ engine thread's path (process 0.45 ms; the rest the bench loop, the admission an
 slowed by the load). Records schema: fill 0.26-0.38 ms, all of it hidden (fill_wait under 0.01 ms). The
 CPU's step wall times do not show the gain: the forward runs on the host, and the machine's two cores
 are shared by the worker, xgrammar's thread and the other jobs; on a GPU the host's step is the step.
+
+On an H200 with the 1B preset (--model, the checkpoint bench/serve.py --structured builds; 64 rows,
+records; medians): a traced constrained step spent ~1 ms of host time on the logits, the sampler and the
+bitmask's bookkeeping, run eagerly after the forward's graph (plain steps replay them inside it): plain
+1.18 ms, JSON schema 3.32 ms a step. With the masked sampling head's own graph (MaskedHeadGraphs), in
+another call: plain 1.30 ms, JSON schema 1.72 ms, json_schema_serial 2.45 ms. There `accept` reads ~0.2
+ms, but the timer wrapped around each accept is most of it (64 bare accepts take ~25 us on the 2-core
+machine), and `fill` (~0.8-1.2 ms) counts the worker's wait for the interpreter lock after the fill.
 """
 
 from __future__ import annotations
@@ -111,15 +124,13 @@ class PartTimer:
 
 
 def install(timer: PartTimer) -> None:
-    """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and `finish`)
+    """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and a finish)
     and any accept_token outside them; within them, wait: reading back the previous step's tokens (the
     device's time, not the host's), accept: the matchers' accept_token, fill_wait: finish's wait for a
     fill still running on the worker thread, mask: queuing (on a GPU) or running (on the CPU) the
     masking, the padded ids' included. fill: xgrammar's bitmask fill, on whichever thread runs it (the
     worker's, unless serial). process: LLMEngine._process, the previous step's tokens into outputs (the
     work a fill on the worker overlaps)."""
-    from concurrent.futures import Future
-
     import xgrammar
     from modelfleet.dataplane.engine import structured
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
@@ -127,16 +138,38 @@ def install(timer: PartTimer) -> None:
 
     LLMEngine._process = timer.wrap(LLMEngine._process, "process")
     masks = structured.GrammarMasks
-    masks.begin = timer.wrap(masks.begin, "structured")
-    masks.finish = timer.wrap(masks.finish, "structured")
+    for name in ("begin", "finish", "finish_bitmask", "finish_into"):
+        setattr(masks, name, timer.wrap(getattr(masks, name), "structured"))
     matcher = xgrammar.GrammarMatcher
     matcher.accept_token = timer.wrap(timer.wrap(matcher.accept_token, "accept"), "structured")
     SampledBatch.host_token_ids = timer.wrap(SampledBatch.host_token_ids, "wait", within="structured")
-    Future.result = timer.wrap(Future.result, "fill_wait", within="structured")
+    worker = structured._FillWorker
+    worker.wait = timer.wrap(worker.wait, "fill_wait", within="structured")
     batch = xgrammar.BatchGrammarMatcher
     batch.batch_fill_next_token_bitmask = timer.wrap(batch.batch_fill_next_token_bitmask, "fill")
     xgrammar.apply_token_bitmask_inplace = timer.wrap(xgrammar.apply_token_bitmask_inplace, "mask")
     structured._PaddingMask.apply = timer.wrap(structured._PaddingMask.apply, "mask")
+
+
+def label_for_trace() -> None:
+    """Names the engine's host phases in a profiler trace (record_function ranges)."""
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+    from modelfleet.dataplane.engine.scheduler import Scheduler
+
+    def labelled(fn, name: str):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    LLMEngine._process = labelled(LLMEngine._process, "process")
+    LLMEngine._finish_launched = labelled(LLMEngine._finish_launched, "finish_launched")
+    Scheduler.schedule = labelled(Scheduler.schedule, "schedule")
+    ModelRunner.launch = labelled(ModelRunner.launch, "launch")
+    ModelRunner._sample = labelled(ModelRunner._sample, "launch_sample")
 
 
 def padded_demo_model(out_dir: Path, vocab_size: int, tokenizer_vocab: int | None = None) -> Path:
@@ -161,13 +194,31 @@ def padded_demo_model(out_dir: Path, vocab_size: int, tokenizer_vocab: int | Non
     return out_dir
 
 
+def trace_steps(engine, path: Path, steps: int) -> None:
+    """A torch profiler trace (Chrome's format) of `steps` more steps: the host's calls beside the
+    device's kernels, where a gap on the device shows which host work it waited for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities, with_stack=False) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("LLMEngine.step"):
+                engine.step()
+    prof.export_chrome_trace(str(path))
+
+
 def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
     from modelfleet.dataplane.sampling_params import SamplingParams
 
-    max_tokens = args.warmup + args.steps + 8
+    max_tokens = args.warmup + args.steps + (args.trace_steps if args.trace else 0) + 8
     sampler = engine.runner.sampler
     # Serial: the fill on the engine thread, as before it overlapped the previous step's processing.
-    sampler.begin = functools.partial(type(sampler).begin, sampler, overlap=mode != "json_schema_serial")
+    overlap = mode != "json_schema_serial"
+    sampler.begin = functools.partial(type(sampler).begin, sampler, overlap=overlap)
+    sampler.begin_masks = functools.partial(type(sampler).begin_masks, sampler, overlap=overlap)
     if mode == "plain":
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind="delta")
     else:
@@ -201,6 +252,8 @@ def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
         # The fill's time off the engine thread's path (none when serial).
         parts["fill_hidden"] = parts["fill"] - parts["fill_wait"] if mode == "json_schema" else 0.0
         samples.append({"step_wall": wall, "step_cpu": cpu, **parts})
+    if args.trace is not None:
+        trace_steps(engine, args.trace / f"structured-overhead-{mode}.json", args.trace_steps)
     assert len(engine.scheduler.running) == args.num_seqs, "a sequence finished early"
     for i in range(args.num_seqs):
         engine.abort(f"{mode}-{i}")
@@ -257,6 +310,13 @@ def main() -> int:
         help="json_schema_serial: the grammar fill on the engine thread, not overlapping the processing "
         "of the step before",
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="a folder: after the timed steps, a torch profiler trace of --trace-steps more per mode",
+    )
+    parser.add_argument("--trace-steps", type=int, default=20)
     args = parser.parse_args()
     if args.model is not None and args.vocab is not None:
         parser.error("--model and --vocab are alternatives")
@@ -269,6 +329,8 @@ def main() -> int:
     torch.set_num_threads(1)
     timer = PartTimer()
     install(timer)
+    if args.trace is not None:
+        label_for_trace()
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab is not None:
             model_dir = padded_demo_model(Path(tmp) / f"padded-{args.vocab}", args.vocab)

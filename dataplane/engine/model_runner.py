@@ -31,7 +31,8 @@ from modelfleet.dataplane.engine.sampler import PendingSample, SampledBatch, Sam
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner
+    from modelfleet.dataplane.engine.structured import GrammarVocab
+    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
     from modelfleet.dataplane.parallel.worker import WorkerLink
     from modelfleet.dataplane.parallel.workers import WorkerGroup
 
@@ -182,6 +183,8 @@ class ModelRunner:
         # The latest step's sampled tokens, by sampling row: the next step's in-flight input ids.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.decode_graphs = self._capture_decode_graphs(config)
+        # The decode graphs' head for rows a grammar constrains, made on the first such step.
+        self.masked_head: MaskedHeadGraphs | None = None
 
     def _capture_decode_graphs(self, config: EngineConfig) -> DecodeGraphRunner | None:
         """CUDA graphs for decode steps of up to max_num_seqs sequences; None off CUDA or with
@@ -288,21 +291,62 @@ class ModelRunner:
         if self.workers is not None:
             return self._launch_parallel(self.workers, out, use_graph, inputs, max_query_len)
         if use_graph and self._graph_samples(out):
+            if any(s.seq.grammar is not None for s in out.scheduled):
+                return self._launch_graph_masked(out, inputs)
             return self._launch_graph_sampled(out, inputs)
         hidden = self._forward(use_graph, inputs, max_query_len)
         return self._sample(out, hidden, cu_query)
 
     def _graph_samples(self, out: SchedulerOutput) -> bool:
         """Whether the decode graph's sampling head can sample this step: every row samples with a
-        temperature alone (greedy included), none is constrained by a grammar."""
+        temperature alone (greedy included); rows a grammar constrains take the masked head."""
         graphs, sampler = self.decode_graphs, self.sampler
         return (
             graphs is not None
             and graphs.head is not None
             and sampler is not None
             and sampler.fused
-            and all(s.samples and s.seq.temperature_only and s.seq.grammar is None for s in out.scheduled)
+            and all(s.samples and s.seq.temperature_only for s in out.scheduled)
         )
+
+    def _launch_graph_masked(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
+        """A decode step with rows a grammar constrains: the forward graph now, the grammars' bitmask
+        filling on the host meanwhile, and the masked sampling head's graph once it has filled
+        (LaunchedStep.finish, before the next launch: the head reads this forward's output)."""
+        graphs, sampler = self.decode_graphs, self.sampler
+        assert graphs is not None and sampler is not None  # checked by _graph_samples
+        seqs = [s.seq for s in out.scheduled]
+        graphs.run(_graph_inputs(inputs), batch_size=len(seqs))
+        temperature, seeds = sampler.fused_parameters(seqs)
+        begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device)
+        for row, seq in enumerate(seqs):
+            seq.sample_row = row
+        vocab = next(s.grammar.vocab for s in seqs if s.grammar is not None)
+        head = self._masked_head(vocab)
+        masks = sampler.grammar_masks
+
+        @torch.inference_mode()
+        def finish() -> SampledBatch:
+            if begun is None:  # every grammar has ended: nothing to mask
+                pairs = head.run(len(seqs), temperature, seeds, lambda bits: [])
+            else:
+                pairs = head.run(len(seqs), temperature, seeds, functools.partial(masks.finish_into, begun))
+            return sampler.graph_sampled(pairs, seqs)
+
+        return LaunchedStep(len(seqs), list(range(len(seqs))), None, finish)
+
+    def _masked_head(self, vocab: GrammarVocab) -> MaskedHeadGraphs:
+        """The decode graphs' masked sampling head for a grammar vocabulary (one per engine in practice:
+        one tokenizer), made on the first constrained decode step."""
+        from modelfleet.dataplane.engine.structured import bitmask_words, kernel_far_ids, kernel_num_direct
+        from modelfleet.dataplane.kernels.cuda_graphs import MaskedHeadGraphs
+
+        layout = (bitmask_words(vocab), kernel_num_direct(vocab), kernel_far_ids(vocab))
+        head = self.masked_head
+        if head is None or head.layout != layout:
+            assert self.decode_graphs is not None  # a graph step asks for it
+            head = self.masked_head = MaskedHeadGraphs(self.decode_graphs, *layout)
+        return head
 
     def _launch_graph_sampled(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
         """A decode step whose forward, logits and sampling are one graph replay."""

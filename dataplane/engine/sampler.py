@@ -154,7 +154,7 @@ class Sampler:
         params = [s.params for s in seqs]
         # A constrained row whose sampling needs only a temperature is one for the fused sampler once masked.
         if self.fused and all(s.temperature_only for s in seqs):
-            masks = self._begin_grammars(logits, seqs, overlap)
+            masks = self._begin_grammars(logits.shape, logits.device, seqs, overlap)
             inputs = self._fused_inputs(seqs, logits.device)
             pending = PendingSample(self, lambda: self._sample_fused(logits, params, inputs, masks), masks)
         else:
@@ -180,7 +180,7 @@ class Sampler:
             logits = apply_penalties(logits, seqs)
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
-        masks = self._begin_grammars(logits, seqs, overlap)
+        masks = self._begin_grammars(logits.shape, logits.device, seqs, overlap)
 
         def finish() -> SampledBatch:
             masked = self._mask(logits, masks)
@@ -193,12 +193,28 @@ class Sampler:
 
         return PendingSample(self, finish, masks)
 
-    def _begin_grammars(self, logits: torch.Tensor, seqs: list[Sequence], overlap: bool) -> BegunMasks | None:
+    def _begin_grammars(
+        self, shape: tuple[int, int], device: torch.device, seqs: list[Sequence], overlap: bool
+    ) -> BegunMasks | None:
         if all(s.grammar is None for s in seqs):
             return None
+        return self.grammar_masks.begin(shape, device, seqs, self._previous, background=overlap)
+
+    @property
+    def grammar_masks(self) -> GrammarMasks:
+        """The grammars' per-step work, made with the first constrained row (xgrammar loads then)."""
         if self._grammar_masks is None:
             self._grammar_masks = GrammarMasks(self._fill_threads)
-        return self._grammar_masks.begin(logits, seqs, self._previous, background=overlap)
+        return self._grammar_masks
+
+    def begin_masks(
+        self, seqs: list[Sequence], vocab_size: int, device: torch.device, *, overlap: bool = True
+    ) -> BegunMasks | None:
+        """The grammars' half of a step whose sampling runs elsewhere (a decode graph's masked head,
+        ModelRunner): the matchers follow the previous batch's tokens, then the bitmask fills (on the
+        worker thread with `overlap`); `grammar_masks.finish_into` ends it. None: no row is constrained
+        any more."""
+        return self._begin_grammars((len(seqs), vocab_size), device, seqs, overlap)
 
     def _mask(self, logits: torch.Tensor, masks: BegunMasks | None) -> torch.Tensor:
         if masks is None:

@@ -388,26 +388,30 @@ class GrammarMasks:
     ) -> torch.Tensor:
         """Masks, in place, each constrained row's logits to what its grammar allows next. `previous`:
         the sampler's batch before this one, which holds any token still in flight of these rows."""
-        begun = self.begin(logits, seqs, previous, background=False)
+        begun = self.begin(logits.shape, logits.device, seqs, previous, background=False)
         return logits if begun is None else self.finish(begun, logits)
 
     def begin(
-        self, logits: torch.Tensor, seqs: list[Sequence], previous: SampledBatch | None, *, background: bool
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        seqs: list[Sequence],
+        previous: SampledBatch | None,
+        *,
+        background: bool,
     ) -> BegunMasks | None:
         """Brings the matchers up to date (this waits for `previous`'s tokens), then fills their bitmask:
         on the worker thread if `background` (returned once the worker holds the fill), else here. None
-        where no row is constrained any more. `logits` are read for their shape and device only."""
-        # A terminated matcher (it has accepted its end) has no next token to allow; its sequence is
-        # ending, and this row's token is dropped.
-        live = [(i, g) for i, g in _follow_tokens(seqs, previous) if not g.matcher.is_terminated()]
+        where no row is constrained any more. `shape` and `device`: the step's logits' (rows, model ids)."""
+        live = _follow_tokens(seqs, previous)
         if not live:
             return None
         rows = [i for i, _ in live]
         vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
-        num_rows, width = logits.shape
+        num_rows, width = shape
         if width != vocab.model_size:
             raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
-        host = self._host_buffer(num_rows, vocab.size, logits.device)
+        host = self._host_buffer(num_rows, vocab.size, device)
         matchers = [g.matcher for _, g in live]
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
@@ -443,10 +447,8 @@ class GrammarMasks:
         rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
         host = self._filled_host(begun)
         if self._far_ids is None or self._far_ids[0] != vocab or self._far_ids[1].device != device:
-            # Not padded: the far stops are the model's last ids, in order, and every id is direct.
-            far = vocab.far_stops if vocab.padded else ()
-            self._far_ids = (vocab, torch.tensor(far, dtype=torch.int32).to(device))
-        direct = vocab.tokenizer_size if vocab.padded else vocab.model_size
+            self._far_ids = (vocab, torch.tensor(kernel_far_ids(vocab), dtype=torch.int32).to(device))
+        direct = kernel_num_direct(vocab)
         if len(rows) == num_rows:  # the usual batch, every row constrained: nothing more to copy
             flags = self._all_rows(num_rows, device)
         else:
@@ -455,6 +457,13 @@ class GrammarMasks:
             flags = flags.to(device, non_blocking=True)
         bits = host if device.type == "cpu" else self._to_device(host)
         return TokenBitmask(bits, direct, self._far_ids[1], flags)
+
+    def finish_into(self, begun: BegunMasks, out: torch.Tensor) -> list[int]:
+        """Waits for the fill (raising its error, if any), then queues the copy of its bitmask rows into
+        the leading rows of `out` (int32 [>= rows, words] on the device: a graph's static buffer, read by
+        the sampling kernel as TokenBitmask.bits); returns the rows it masks."""
+        self._to_device(self._filled_host(begun), out)
+        return begun.rows
 
     def _all_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """int32 ones [num_rows] on `device`, made once for the largest batch seen."""
@@ -472,10 +481,11 @@ class GrammarMasks:
         assert self._host is not None  # made by begin
         return self._host[: begun.num_rows]
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """Queues the host bitmask's copy to the device buffer (the event marks it queued)."""
-        assert self._device is not None  # made with the pinned host buffer
-        bitmask = self._device[: host.shape[0]].copy_(host, non_blocking=True)
+    def _to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Queues the host bitmask's copy to the device buffer, or to `out` (the event marks it queued)."""
+        out = self._device if out is None else out
+        assert out is not None  # made with the pinned host buffer
+        bitmask = out[: host.shape[0]].copy_(host, non_blocking=True)
         self._copied.record()
         return bitmask
 
@@ -496,6 +506,22 @@ class GrammarMasks:
                 self._device = torch.empty((rows, words), dtype=torch.int32, device=device)
                 self._copied = torch.cuda.Event()
         return host
+
+
+def bitmask_words(vocab: GrammarVocab) -> int:
+    """int32 words in one row of a bitmask of `vocab`'s grammar ids."""
+    return _xgrammar().get_bitmask_shape(1, vocab.size)[1]
+
+
+def kernel_num_direct(vocab: GrammarVocab) -> int:
+    """The sampling kernel's TokenBitmask.num_direct for `vocab`: the model ids that are grammar ids."""
+    return vocab.tokenizer_size if vocab.padded else vocab.model_size
+
+
+def kernel_far_ids(vocab: GrammarVocab) -> tuple[int, ...]:
+    """The sampling kernel's TokenBitmask.far_ids for `vocab`. Not padded, the far stops are the model's
+    last ids, in order, and every id is direct: none."""
+    return vocab.far_stops if vocab.padded else ()
 
 
 class _PaddingMask:
@@ -538,16 +564,17 @@ class _PaddingMask:
 
 
 def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, SequenceGrammar]]:
-    """Brings each constrained row's matcher up to the token it samples now; (row, grammar) pairs.
-    A row's tokens before this step are on the host but the last, which may still be in flight (a row
-    counts this step's token in flight too): it is read from `previous` at the row's sample_row."""
-    grammars = []
+    """Brings each constrained row's matcher up to the token it samples now; (row, grammar) pairs of the
+    rows whose grammar is not yet terminated (a terminated one has accepted its end: its sequence is
+    ending, and the row's token is dropped). A row's tokens before this step are on the host but the
+    last, which may still be in flight (a row counts this step's token in flight too): it is read from
+    `previous` at the row's sample_row. Once per step for every constrained row: kept to plain loops."""
+    live = []
     inflight: list[int] | None = None
     for i, seq in enumerate(seqs):
         grammar = seq.grammar
         if grammar is None:
             continue
-        grammars.append((i, grammar))
         known = seq.output_token_ids
         target = len(known) + seq.num_inflight - 1
         # One accept per token: faster here than BatchGrammarMatcher.batch_accept_token, whose per-call
@@ -555,9 +582,11 @@ def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[
         while grammar.num_accepted < min(target, len(known)):
             grammar.accept(known[grammar.num_accepted])
         if grammar.num_accepted < target:
-            if previous is None:
-                raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
             if inflight is None:
+                if previous is None:
+                    raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
                 inflight = previous.host_token_ids()
             grammar.accept(inflight[seq.sample_row])
-    return grammars
+        if not grammar.matcher.is_terminated():
+            live.append((i, grammar))
+    return live

@@ -61,3 +61,39 @@ def test_a_preset_is_served_with_a_bpe_tokenizer_that_writes_json(bench, tmp_pat
     stamp = (served / "tokenizer.json").stat().st_mtime_ns
     assert serve.with_bpe_tokenizer(preset) == served
     assert (served / "tokenizer.json").stat().st_mtime_ns == stamp
+
+
+def test_the_overhead_bench_traces_the_engine_steps(tmp_path):
+    """bench/structured_overhead.py --trace: a Chrome trace per mode of the extra steps, with the engine's
+    phases named, and the JSON line of the timed steps beside it."""
+    import subprocess
+
+    trace = tmp_path / "traces"
+    args = [
+        "--schema",
+        "records",
+        "--num-seqs",
+        "4",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--modes",
+        "json_schema",
+        "--trace-steps",
+        "2",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "structured_overhead.py"), *args, "--trace", str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["mode"] == "json_schema" and line["step_wall_ms"] > 0
+    events = json.loads((trace / "structured-overhead-json_schema.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"LLMEngine.step", "schedule", "launch", "process"} <= names
+    assert sum(e.get("name") == "LLMEngine.step" for e in events) == 2

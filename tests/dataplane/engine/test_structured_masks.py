@@ -95,31 +95,25 @@ def test_constrained_rows_keep_the_overlap_and_their_tokens(llm, monkeypatch):
     check_overlap_and_tokens(llm, monkeypatch)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_constrained_rows_are_masked_then_fused(tiny_model_dir, monkeypatch):
-    """On a GPU a constrained row that needs only a temperature is masked, then sampled by the fused
-    kernel (greedy and seeded rows here), with the bitmask copied from a pinned buffer."""
-    llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cuda")
-    sampler = llm.engine.runner.sampler
-    assert sampler.fused, "Triton is expected wherever a CUDA GPU is"
-    fused_rows: list[int] = []
-    sample_fused, fused_inputs = sampler._sample_fused, sampler._fused_inputs
-
-    def counted(seqs, params, device):
-        fused_rows.extend(1 for s in seqs if s.grammar is not None)
-        return fused_inputs(seqs, params, device)
-
-    monkeypatch.setattr(sampler, "_fused_inputs", counted)
-    sampled_fused: list[int] = []
-
-    def sampled(logits, params, inputs, masks):
-        sampled_fused.append(len(params))
-        return sample_fused(logits, params, inputs, masks)
-
-    monkeypatch.setattr(sampler, "_sample_fused", sampled)
-    check_overlap_and_tokens(llm, monkeypatch)
-    assert fused_rows and sampled_fused
-    assert sampler._grammar_masks._host.is_pinned()
+def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_dir, monkeypatch):
+    """On a GPU a constrained decode step replays the forward graph, then, once its bitmask has filled,
+    the masked sampling head's own graph (captured on first use per batch size, in the middle of
+    serving): the same tokens, greedy and seeded, as the eager engine, whose fused sampler reads the same
+    bitmask from its own device copy; and the overlap and the grammars' checks hold."""
+    settings = dict(max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cuda")
+    graphs = LLM(tiny_model_dir, **settings)
+    runner = graphs.engine.runner
+    assert runner.sampler.fused, "Triton is expected wherever a CUDA GPU is"
+    prompts, params = batch()
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert runner.masked_head is not None and runner.masked_head.graphs
+    eager = LLM(tiny_model_dir, enforce_eager=True, **settings)
+    assert eager.engine.runner.decode_graphs is None
+    assert got == [o.token_ids for o in eager.generate(prompts, params)]
+    assert runner.sampler.grammar_masks._host.is_pinned()
+    check_overlap_and_tokens(graphs, monkeypatch)
 
 
 def test_a_token_in_flight_without_its_batch_is_an_error():
