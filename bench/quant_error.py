@@ -122,6 +122,7 @@ def end_to_end(model_dir: Path, fmt: str, reference, baselines: dict) -> dict:
         report = {"method": info["method"]}
         keys = ("passed", "maxAbsLogitDiff", "top1Agreement", "perplexityRelDiff", "numDistinctTextIds")
         extra = ("rule", "thresholds", "baseline", "top1AgreementDecisive", "numDecisivePositions")
+        extra += ("decisiveMargin", "decisiveFlips")
         for label, (prompts, text) in inputs.items():
             if fmt == "bf16":
                 baselines[label] = validate.measure_baseline(reference, cand, prompts)

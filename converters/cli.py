@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import signal
 import sys
@@ -147,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if code:
+        if validation is not None:  # the whole report (the summary keeps a few figures): why it failed
+            print(f"validation report: {json.dumps(validation)}", file=sys.stderr)
         print(f"error: {reason}", file=sys.stderr)
         result = artifact.summary(ok=False, target=target, validation=validation, reason=reason)
     _report(artifact.summary_line(result), args.termination_log)

@@ -39,7 +39,9 @@ artifact's logit limit is the larger of its row's and RELATIVE_RATIOS x the base
 the positions the serving dtype itself decides, where the reference's lead over its runner-up exceeds
 twice the baseline's max difference (at the others even the bf16 artifact may flip the top token; random
 weights lead by ~std / 5 on a 128k vocabulary). Perplexity keeps its absolute row. The report names the
-rule and gives both figures (`rule`, `baseline`).
+rule and gives both figures (`rule`, `baseline`), and each decisive position whose top token flipped:
+the reference's lead there and how far that row's logits moved (`decisiveFlips`), which tells a flip
+within the format's own error from one past it. A failed conversion logs the whole report.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ from pathlib import Path
 
 import torch
 from modelfleet.converters import progress
+
+# Decisive flips listed in a report, at most.
+MAX_FLIPS = 16
 
 PROMPTS = (
     "The scheduler looks at the running sequences after every step, and",
@@ -184,6 +189,7 @@ def compare(
     decisive_margin = 2 * baseline.max_abs_logit_diff if baseline is not None else math.inf
     max_diff, agree, total, ref_logits_all = 0.0, 0, 0, []
     decisive_agree, decisive_total = 0, 0
+    flips: list[tuple[float, float]] = []  # (reference's lead, row's max |diff|) where a decisive top-1 flips
     with progress.task("validate", len(prompts) + 1) as bar:
         for ids in prompts:
             r, c = ref(ids), cand(ids)
@@ -194,9 +200,14 @@ def compare(
             agree += same.sum().item()
             total += len(ids)
             top2 = r.topk(2, dim=-1).values
-            decisive = (top2[:, 0] - top2[:, 1]) > decisive_margin
+            lead = top2[:, 0] - top2[:, 1]
+            decisive = lead > decisive_margin
             decisive_agree += (same & decisive).sum().item()
             decisive_total += decisive.sum().item()
+            flipped = decisive & ~same
+            if flipped.any():
+                row_diff = (r - c).abs().max(dim=-1).values
+                flips += zip(lead[flipped].tolist(), row_diff[flipped].tolist(), strict=True)
             ref_logits_all.append(r)
             bar.advance()
         ppl_ref, ppl_cand = perplexity(ref(text), text), perplexity(cand(text), text)
@@ -240,6 +251,12 @@ def compare(
         report["thresholds"]["relativeRatio"] = RELATIVE_RATIOS[dtype]
         report["top1AgreementDecisive"] = round(decisive_top1, 4)
         report["numDecisivePositions"] = decisive_total
+        report["decisiveMargin"] = _round(decisive_margin)
+        # What a flip there had to overcome and how far that row's logits moved: the data to tell a
+        # flip within the format's own error from one past it (the smallest leads first).
+        report["decisiveFlips"] = [
+            {"lead": _round(lead), "rowMaxAbsDiff": _round(diff)} for lead, diff in sorted(flips)[:MAX_FLIPS]
+        ]
         report["baseline"] = {
             "dtype": baseline.dtype,
             "maxAbsLogitDiff": _round(baseline.max_abs_logit_diff),

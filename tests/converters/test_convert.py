@@ -206,6 +206,10 @@ def test_failed_validation_is_not_published(tiny_model_dir, tmp_path, capsys, mo
     assert summary["ok"] is False and summary["validation"]["passed"] is False
     assert summary["reason"].startswith("validation failed for torch bf16: max |logit diff|")
     assert "validation failed" in err
+    # the log carries the whole report, where the summary keeps a few figures
+    line = next(x for x in err.splitlines() if x.startswith("validation report: "))
+    report = json.loads(line.removeprefix("validation report: "))
+    assert report["failures"] and report["thresholds"]["maxAbsLogitDiff"] == 0.0
     assert not out.exists() and leftovers(tmp_path) == []
 
 

@@ -97,7 +97,16 @@ def test_top1_is_judged_on_the_positions_the_baseline_decides(dtype):
     assert ok["passed"], ok["failures"]
     assert ok["numDecisivePositions"] == 40 and ok["top1Agreement"] < floor
     assert ok["top1AgreementDecisive"] == pytest.approx((40 - allowed) / 40, abs=1e-4)
+    assert ok["decisiveMargin"] == 1.0
+    # each decisive flip is reported with the lead it overcame and how far its row moved (the swap)
+    lead = 1.2
+    assert (
+        ok["decisiveFlips"] == [{"lead": pytest.approx(lead), "rowMaxAbsDiff": pytest.approx(lead)}] * allowed
+    )
     bad = compare(ref_logits, candidate(flip_even=allowed + 1), PROMPTS, TEXT, dtype, base)
+    assert len(bad["decisiveFlips"]) == allowed + 1
+    every = compare(ref_logits, candidate(flip_even=40), PROMPTS, TEXT, dtype, base)
+    assert len(every["decisiveFlips"]) == validate.MAX_FLIPS  # a report stays short
     assert bad["top1Agreement"] >= floor  # overall fine; the decisive positions are not
     assert not bad["passed"] and bad["failures"] == [
         f"top-1 agreement on the 40 decisive positions {(39 - allowed) / 40:.3f} < {floor}"
