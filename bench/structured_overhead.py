@@ -8,10 +8,12 @@ Prints one JSON line per mode with the median and mean wall (and thread-CPU) mil
 `LLMEngine.step()` and of its structured part: the time in the sampler's grammar calls on the engine
 thread (`GrammarMasks.begin` and its finish) and in any `GrammarMatcher.accept_token` outside them, then
 that part's pieces: `wait` (reading back the previous step's tokens: the device's time), `accept` (the
-matchers' accept_token), `fill_wait` (finish's wait for a fill still running on the worker), `mask` (the
-masking, queued on a GPU), and `structured_host` (the structured part less its waits); and `fill`
-(xgrammar's batched bitmask fill, on whichever thread), `fill_hidden` (the fill less fill_wait: its time
-off the engine thread's path), `process` (LLMEngine._process, which the fill overlaps).
+matchers' accept_token, each call timed), `follow` (the matchers brought up to their tokens, `wait` and
+the accepts included, timed once a step), `fill_wait` (finish's wait for a fill still running on the
+worker), `mask` (the masking, queued on a GPU), and `structured_host` (the structured part less its
+waits); and `fill` (xgrammar's batched bitmask fill, on whichever thread), `fill_hidden` (the fill less
+fill_wait: its time off the engine thread's path), `process` (LLMEngine._process, which the fill
+overlaps).
 
     python bench/structured_overhead.py --num-seqs 64 --steps 100
     python bench/structured_overhead.py --vocab 128256 --num-seqs 64 --steps 60   # /tmp/m1b's vocabulary
@@ -126,7 +128,9 @@ class PartTimer:
 def install(timer: PartTimer) -> None:
     """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and a finish)
     and any accept_token outside them; within them, wait: reading back the previous step's tokens (the
-    device's time, not the host's), accept: the matchers' accept_token, fill_wait: finish's wait for a
+    device's time, not the host's), accept: the matchers' accept_token (each call timed, so the timer's
+    own cost counts in it), follow: the whole of bringing the matchers up to their tokens (one timing a
+    step: the accepts, their bookkeeping and `wait`), fill_wait: finish's wait for a
     fill still running on the worker thread, mask: queuing (on a GPU) or running (on the CPU) the
     masking, the padded ids' included. fill: xgrammar's bitmask fill, on whichever thread runs it (the
     worker's, unless serial). process: LLMEngine._process, the previous step's tokens into outputs (the
@@ -142,6 +146,7 @@ def install(timer: PartTimer) -> None:
         setattr(masks, name, timer.wrap(getattr(masks, name), "structured"))
     matcher = xgrammar.GrammarMatcher
     matcher.accept_token = timer.wrap(timer.wrap(matcher.accept_token, "accept"), "structured")
+    structured._follow_tokens = timer.wrap(structured._follow_tokens, "follow", within="structured")
     SampledBatch.host_token_ids = timer.wrap(SampledBatch.host_token_ids, "wait", within="structured")
     worker = structured._FillWorker
     worker.wait = timer.wrap(worker.wait, "fill_wait", within="structured")
