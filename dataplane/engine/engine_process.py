@@ -451,14 +451,16 @@ def _serve(conn: _LockedConnection, engine: LLMEngine, routes: OutputRoutes) -> 
             outputs = engine.step()
         except Exception as exc:  # a broken step fails every request in flight, loudly
             logging.getLogger(__name__).exception("engine step failed")
+            if engine.failure is not None:
+                # The engine can run no more steps (a tensor-parallel rank died, which broke this one):
+                # the process ends, and its end names the cause, not the collective's error it caused.
+                _exit_fatal(conn, engine.failure)
             message = f"{type(exc).__name__}: {exc}"
             aborted = [engine.abort(request_id) for request_id in list(engine.scheduler.requests)]
             relayed = routes.fail(
                 [output for output in aborted if output is not None], f"engine step failed: {message}"
             )
             conn.send(StepFailed(message, relayed))
-            if engine.failure is not None:
-                _exit_fatal(conn, engine.failure)
             continue
         if outputs:
             routes.send(outputs, engine.stats())

@@ -73,6 +73,7 @@ class WorkerGroup:
         context.set_forkserver_preload(_PRELOAD)
         self.failure: str | None = None
         self.on_failure: Callable[[str], None] | None = None
+        self._dead_lock = threading.Lock()  # _fail_dead's
         self._closing = False
         self._store = master_store(size)
         self.conns: list[Connection] = []
@@ -174,9 +175,14 @@ class WorkerGroup:
         self.fail(f"rank 0's step raised {type(exc).__name__}: {exc}")
 
     def _fail_dead(self, rank: int) -> None:
-        process = self.processes[rank - 1]
-        process.join(timeout=1)
-        self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
+        # The monitor thread and a failed step may both get here: the fork server hands a worker's exit
+        # status to one reader only (the other read would find the pipe closed, exit code 255).
+        with self._dead_lock:
+            if self.failure is not None:
+                return
+            process = self.processes[rank - 1]
+            process.join(timeout=1)
+            self.fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode}")
 
     def fail(self, reason: str) -> None:
         """The group can run no more steps: records why, stops the workers, tells the owner (once)."""

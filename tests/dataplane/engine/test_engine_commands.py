@@ -114,3 +114,52 @@ def test_a_failed_step_ends_relayed_requests_at_their_relays_with_the_error():
     assert len(server.sent) == 1
     routes.send([output("first", " later")], RecordingEngine().stats())  # over: no longer awaited
     assert server.sent[-1].outputs[0].new_text == " later" and len(relay.sent) == 1
+
+
+class FailingEngine(RecordingEngine):
+    """One step that raises, with `failure` set where the engine can step no more (a dead rank)."""
+
+    def __init__(self, failure: str | None) -> None:
+        super().__init__()
+        self.failure = failure
+        self.scheduler = type("Scheduler", (), {"requests": {}})()
+        self.stepped = False
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.stepped
+
+    def step(self):
+        self.stepped = True
+        raise RuntimeError("Connection reset by peer")
+
+
+class CommandPipe(Pipe):
+    """The child's end of the pipe: nothing waiting but a Close once the engine is idle."""
+
+    def poll(self) -> bool:
+        return False
+
+    def recv(self) -> object:
+        return Close()
+
+
+def test_a_step_broken_by_a_dead_rank_ends_the_process_naming_the_rank(monkeypatch):
+    """A collective that fails because a rank died must not reach the streams as the step's own error:
+    the process exits with the rank's failure (Fatal), whichever of the two was noticed first."""
+    import pytest
+    from modelfleet.dataplane.engine import engine_process
+    from modelfleet.dataplane.engine.messages import Fatal, StepFailed
+
+    def exit_(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(engine_process.os, "_exit", exit_)
+    dead = "tensor-parallel rank 1 (pid 7) exited with code -9"
+    pipe = CommandPipe()
+    with pytest.raises(SystemExit):
+        engine_process._serve(pipe, FailingEngine(dead), OutputRoutes(pipe, []))
+    assert pipe.sent == [Fatal(dead)]
+    # a step that fails on its own fails its requests, and the engine goes on
+    pipe = CommandPipe()
+    engine_process._serve(pipe, FailingEngine(None), OutputRoutes(pipe, []))
+    assert pipe.sent == [StepFailed("RuntimeError: Connection reset by peer", frozenset())]

@@ -45,12 +45,14 @@ def test_created_is_now_on_answers_chunks_and_models(client):
 
 
 def test_usage_in_a_stream_only_when_asked(client):
-    plain = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=True))
+    # all 4 tokens: the random model, sampling at OpenAI's default temperature, may otherwise stop early
+    full = {"max_tokens": 4, "stream": True, "extra_body": {"ignore_eos": True}}
+    plain = list(client.chat.completions.create(model="tiny", messages=MESSAGES, **full))
     assert plain[-1].choices and all(c.usage is None for c in plain)
 
     asked = list(
         client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=4, stream=True, stream_options={"include_usage": True}
+            model="tiny", messages=MESSAGES, stream_options={"include_usage": True}, **full
         )
     )
     *body, last = asked
