@@ -338,10 +338,10 @@ class ModelRunner:
     def _masked_head(self, vocab: GrammarVocab) -> MaskedHeadGraphs:
         """The decode graphs' masked sampling head for a grammar vocabulary (one per engine in practice:
         one tokenizer), made on the first constrained decode step."""
-        from modelfleet.dataplane.engine.structured import bitmask_words, kernel_far_ids, kernel_num_direct
+        from modelfleet.dataplane.engine.structured import bitmask_layout
         from modelfleet.dataplane.kernels.cuda_graphs import MaskedHeadGraphs
 
-        layout = (bitmask_words(vocab), kernel_num_direct(vocab), kernel_far_ids(vocab))
+        layout = bitmask_layout(vocab)
         head = self.masked_head
         if head is None or head.layout != layout:
             assert self.decode_graphs is not None  # a graph step asks for it

@@ -219,8 +219,7 @@ class Sampler:
     def _mask(self, logits: torch.Tensor, masks: BegunMasks | None) -> torch.Tensor:
         if masks is None:
             return logits
-        assert self._grammar_masks is not None  # made by _begin_grammars
-        return self._grammar_masks.finish(masks, logits)
+        return self.grammar_masks.finish(masks, logits)
 
     def _fused_inputs(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused sampler's temperatures and seeds (fused_parameters), on the device."""
@@ -267,8 +266,7 @@ class Sampler:
 
         mask = None
         if masks is not None:
-            assert self._grammar_masks is not None  # made by _begin_grammars
-            mask = self._grammar_masks.finish_bitmask(masks, logits.device)
+            mask = self.grammar_masks.finish_bitmask(masks, logits.device)
         token_ids, bad_rows = sample_tokens(logits, *inputs, mask=mask)
         return SampledBatch.of(token_ids, bad_rows, None, params)
 

@@ -30,6 +30,7 @@ xgrammar is imported on first use: an engine that never sees a constrained reque
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -37,7 +38,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -411,7 +412,7 @@ class GrammarMasks:
         num_rows, width = shape
         if width != vocab.model_size:
             raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
-        host = self._host_buffer(num_rows, vocab.size, device)
+        host = self._host_buffer(num_rows, bitmask_layout(vocab).words, device)
         matchers = [g.matcher for _, g in live]
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
@@ -446,9 +447,10 @@ class GrammarMasks:
 
         rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
         host = self._filled_host(begun)
+        layout = bitmask_layout(vocab)
         if self._far_ids is None or self._far_ids[0] != vocab or self._far_ids[1].device != device:
-            self._far_ids = (vocab, torch.tensor(kernel_far_ids(vocab), dtype=torch.int32).to(device))
-        direct = kernel_num_direct(vocab)
+            self._far_ids = (vocab, torch.tensor(layout.far_ids, dtype=torch.int32).to(device))
+        direct = layout.num_direct
         if len(rows) == num_rows:  # the usual batch, every row constrained: nothing more to copy
             flags = self._all_rows(num_rows, device)
         else:
@@ -489,14 +491,13 @@ class GrammarMasks:
         self._copied.record()
         return bitmask
 
-    def _host_buffer(self, num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    def _host_buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
         """The host bitmask, free to fill: the copy queued from it last has run."""
         import torch
 
         if self._copied is not None:
             self._copied.synchronize()
         host = self._host
-        words = self._xgrammar.get_bitmask_shape(1, vocab)[1]
         if host is None or host.shape[0] < num_rows or host.shape[1] != words:
             rows = max(MIN_ROWS, num_rows)
             on_device = device.type != "cpu"
@@ -508,20 +509,22 @@ class GrammarMasks:
         return host
 
 
-def bitmask_words(vocab: GrammarVocab) -> int:
-    """int32 words in one row of a bitmask of `vocab`'s grammar ids."""
-    return _xgrammar().get_bitmask_shape(1, vocab.size)[1]
+class BitmaskLayout(NamedTuple):
+    """How a bitmask of `vocab`'s grammar ids is laid out for the sampling kernel (TokenBitmask)."""
+
+    words: int  # int32 words in one row
+    num_direct: int  # model ids below it are grammar ids as they are
+    far_ids: tuple[int, ...]  # the model ids of the grammar ids past num_direct
 
 
-def kernel_num_direct(vocab: GrammarVocab) -> int:
-    """The sampling kernel's TokenBitmask.num_direct for `vocab`: the model ids that are grammar ids."""
-    return vocab.tokenizer_size if vocab.padded else vocab.model_size
-
-
-def kernel_far_ids(vocab: GrammarVocab) -> tuple[int, ...]:
-    """The sampling kernel's TokenBitmask.far_ids for `vocab`. Not padded, the far stops are the model's
-    last ids, in order, and every id is direct: none."""
-    return vocab.far_stops if vocab.padded else ()
+@functools.cache
+def bitmask_layout(vocab: GrammarVocab) -> BitmaskLayout:
+    """`vocab`'s BitmaskLayout, once per vocabulary (read on every constrained step). Not padded, the far
+    stops are the model's last ids, in order, and every id is direct."""
+    words = _xgrammar().get_bitmask_shape(1, vocab.size)[1]
+    if vocab.padded:
+        return BitmaskLayout(words, vocab.tokenizer_size, vocab.far_stops)
+    return BitmaskLayout(words, vocab.model_size, ())
 
 
 class _PaddingMask:

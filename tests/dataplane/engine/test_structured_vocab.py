@@ -54,6 +54,16 @@ def test_an_unpadded_model_keeps_its_ids():
     assert (vocab.size, vocab.padded, vocab.grammar_id(10)) == (11, False, 10)
 
 
+def test_the_sampling_kernel_reads_the_grammar_ids_as_laid_out():
+    """A padded vocabulary: its tokenizer's ids direct, its far stops after them; an unpadded one: every
+    id direct (its far stops are already its last ids). One bit a grammar id, in int32 words."""
+    from modelfleet.dataplane.engine.structured import bitmask_layout
+
+    assert bitmask_layout(GrammarVocab(64, 10, (40,))) == (1, 10, (40,))
+    assert bitmask_layout(GrammarVocab(4096, 512, (3841,))) == (17, 512, (3841,))
+    assert bitmask_layout(GrammarVocab(11, 10, (10,))) == (1, 11, ())
+
+
 def test_the_padded_ids_are_masked_but_an_allowed_far_stop():
     vocab = GrammarVocab(64, 10, (40,))
     bitmask = torch.tensor([[(1 << 1) | (1 << 10)], [1 << 2], [-1]], dtype=torch.int32)
