@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from modelfleet.converters import validate
-from modelfleet.converters.validate import RELATIVE_RATIOS, THRESHOLDS, Baseline, compare
+from modelfleet.converters.validate import DECISIVE_SIGMAS, RELATIVE_RATIOS, THRESHOLDS, Baseline, compare
 
 VOCAB = 16
 PROMPTS = [[p * 100 + i for i in range(20)] for p in range(4)]  # 80 positions
@@ -52,8 +52,13 @@ def candidate(*, diff: float = 0.0, flip_odd: int = 0, flip_even: int = 0):
     return run
 
 
-def baseline(max_diff: float, top1: float = 1.0) -> Baseline:
-    return Baseline("bf16", max_diff, top1)
+def baseline(max_diff: float, top1: float = 1.0, rms: float | None = None) -> Baseline:
+    return Baseline("bf16", max_diff, top1, max_diff / 10 if rms is None else rms)
+
+
+def deciding(margin: float, dtype: str, max_diff: float = 0.5) -> Baseline:
+    """A baseline whose RMS makes `dtype`'s decisive margin `margin`."""
+    return baseline(max_diff, rms=margin / (DECISIVE_SIGMAS * math.sqrt(2) * RELATIVE_RATIOS[dtype]))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
@@ -69,6 +74,7 @@ def test_the_logit_limit_is_the_larger_of_the_row_and_the_ratio_times_the_baseli
     assert under["baseline"] == {
         "dtype": "bf16",
         "maxAbsLogitDiff": pytest.approx(base, rel=1e-5),
+        "rmsLogitDiff": pytest.approx(base / 10, rel=1e-5),
         "top1Agreement": 1.0,
     }
     over = compare(ref_logits, candidate(diff=1.01 * relative), PROMPTS, TEXT, dtype, baseline(base))
@@ -88,8 +94,8 @@ def test_a_tiny_baseline_leaves_the_absolute_row(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
-def test_top1_is_judged_on_the_positions_the_baseline_decides(dtype):
-    base = baseline(0.5)  # decisive: a lead over 1.0, the even positions (40 of 80)
+def test_top1_is_judged_on_the_positions_the_dtype_decides(dtype):
+    base = deciding(1.0, dtype)  # decisive: a lead over 1.0, the even positions (40 of 80)
     floor = THRESHOLDS[dtype].min_top1_agreement
     allowed = math.floor(40 * (1 - floor) + 1e-9)  # decisive flips that still meet the row
     # every undecided position flipped: overall agreement 0.5, under every row, yet it passes
@@ -97,7 +103,7 @@ def test_top1_is_judged_on_the_positions_the_baseline_decides(dtype):
     assert ok["passed"], ok["failures"]
     assert ok["numDecisivePositions"] == 40 and ok["top1Agreement"] < floor
     assert ok["top1AgreementDecisive"] == pytest.approx((40 - allowed) / 40, abs=1e-4)
-    assert ok["decisiveMargin"] == 1.0
+    assert ok["decisiveMargin"] == pytest.approx(1.0)
     # each decisive flip is reported with the lead it overcame and how far its row moved (the swap)
     lead = 1.2
     assert (
@@ -115,48 +121,73 @@ def test_top1_is_judged_on_the_positions_the_baseline_decides(dtype):
     assert not compare(ref_logits, candidate(flip_odd=40), PROMPTS, TEXT, dtype)["passed"]
 
 
-def test_a_lead_of_exactly_twice_the_baselines_difference_is_not_decisive():
-    """Decisive: the reference's lead exceeds twice the baseline's difference; at exactly twice, not."""
+def test_a_lead_of_exactly_the_margin_is_not_decisive():
+    """Decisive: the reference's lead exceeds the margin; at exactly the margin, not."""
     top2 = ref_logits(PROMPTS[0])[0].topk(2).values
     lead = (top2[0] - top2[1]).item()  # every even position's lead, as compare() computes it
-    at = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", baseline(lead / 2))
-    assert at["numDecisivePositions"] == 0
-    # no decisive position: nothing disagrees, and the report says which ratio made the limit
-    assert at["top1AgreementDecisive"] == 1.0 and at["passed"]
-    assert at["thresholds"]["relativeRatio"] == RELATIVE_RATIOS["int8"]
-    under = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", baseline(0.999 * lead / 2))
+    at = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", deciding(lead, "int8"))
+    assert at["numDecisivePositions"] == 0 and at["thresholds"]["relativeRatio"] == RELATIVE_RATIOS["int8"]
+    under = compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", deciding(0.999 * lead, "int8"))
     assert under["numDecisivePositions"] == 40
+
+
+def test_the_margin_is_three_sigmas_of_the_dtypes_expected_lead_movement():
+    """The lead moves by the difference of two logit errors, each of the dtype's expected RMS (its ratio
+    times the baseline's): fp8's margin is 13/3 of int8's on the same baseline."""
+    base = baseline(0.5, rms=0.01)
+    for dtype in ("int8", "fp8"):
+        expected = DECISIVE_SIGMAS * math.sqrt(2) * RELATIVE_RATIOS[dtype] * 0.01
+        report = compare(ref_logits, candidate(), PROMPTS, TEXT, dtype, base)
+        assert report["decisiveMargin"] == pytest.approx(expected, rel=1e-5)  # the report keeps 6 digits
+        assert base.decisive_margin(dtype) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_with_no_decisive_position_top1_is_not_judged(dtype):
+    """Where no lead is beyond the dtype's own error, agreement cannot tell a faithful artifact from a
+    broken one: the report says so (null) and the logit limit and perplexity judge the artifact."""
+    every = compare(ref_logits, candidate(flip_odd=40, flip_even=40), PROMPTS, TEXT, dtype, deciding(2.0, dtype))
+    assert every["numDecisivePositions"] == 0 and every["top1AgreementDecisive"] is None
+    assert every["top1Agreement"] == 0.0 and every["decisiveFlips"] == []
+    assert not any("top-1" in f for f in every["failures"]), every["failures"]
 
 
 def test_other_dtypes_and_baselines_keep_the_table():
     base = baseline(10.0)
     for dtype in ("bf16", "fp16", "fp32"):
         assert compare(ref_logits, candidate(), PROMPTS, TEXT, dtype, base)["rule"] == "absolute"
-    fp16_base = Baseline("fp16", 10.0, 1.0)
+    fp16_base = Baseline("fp16", 10.0, 1.0, 1.0)
     assert compare(ref_logits, candidate(), PROMPTS, TEXT, "int8", fp16_base)["rule"] == "absolute"
 
 
 def test_the_ratios_are_the_formats_rounding_over_bf16s():
     """RELATIVE_RATIOS is the relative output error of one linear in each format over bf16's (x, weight and
-    output rounded to bf16), the measurement the module docstring quotes."""
+    output rounded to bf16), at the widest rows it covers; int8's grows with the width, fp8's does not."""
     from modelfleet.dataplane.quantization import dequantize, quantize
 
-    torch.manual_seed(0)
-    w = torch.randn(1024, 2048) * 0.02
-    x = torch.randn(64, 2048)
-    y = x @ w.T
+    def ratios(width: int) -> tuple[float, float]:
+        torch.manual_seed(0)
+        w = torch.randn(512, width) * 0.02
+        x = torch.randn(64, width)
+        y = x @ w.T
 
-    def rel(out: torch.Tensor) -> float:
-        return ((out - y).norm() / y.norm()).item()
+        def rel(out: torch.Tensor) -> float:
+            return ((out - y).norm() / y.norm()).item()
 
-    xb = x.bfloat16().float()
-    bf16 = rel((xb @ w.bfloat16().float().T).bfloat16().float())
-    int8 = rel(xb @ dequantize(*quantize(w, "int8")).T)
-    x_scale = x.abs().amax(dim=1, keepdim=True) / 448
-    x_fp8 = (x / x_scale).to(torch.float8_e4m3fn).float() * x_scale
-    fp8 = rel(x_fp8 @ dequantize(*quantize(w, "fp8")).T)
-    assert int8 / bf16 == pytest.approx(RELATIVE_RATIOS["int8"], rel=0.1)
-    assert fp8 / bf16 == pytest.approx(RELATIVE_RATIOS["fp8"], rel=0.1)
+        xb = x.bfloat16().float()
+        bf16 = rel((xb @ w.bfloat16().float().T).bfloat16().float())
+        int8 = rel(xb @ dequantize(*quantize(w, "int8")).T)
+        x_scale = x.abs().amax(dim=1, keepdim=True) / 448
+        x_fp8 = (x / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+        fp8 = rel(x_fp8 @ dequantize(*quantize(w, "fp8")).T)
+        return int8 / bf16, fp8 / bf16
+
+    int8_wide, fp8_wide = ratios(validate.RATIO_WIDTH)
+    assert int8_wide == pytest.approx(RELATIVE_RATIOS["int8"], rel=0.04)
+    assert fp8_wide == pytest.approx(RELATIVE_RATIOS["fp8"], rel=0.04)
+    int8_narrow, fp8_narrow = ratios(2048)
+    assert int8_narrow < 0.93 * int8_wide  # a narrower row's maximum, so its int8 scale, is smaller
+    assert fp8_narrow == pytest.approx(fp8_wide, rel=0.04)
 
 
 def test_the_reference_is_computed_once_per_prompt():
@@ -164,6 +195,7 @@ def test_the_reference_is_computed_once_per_prompt():
     ref = validate.cached(lambda ids: calls.append(ids) or ref_logits(ids))
     base = validate.measure_baseline(ref, candidate(diff=0.25), PROMPTS)
     assert base.max_abs_logit_diff == pytest.approx(0.25) and base.top1_agreement == 1.0
+    assert base.rms_logit_diff == pytest.approx(math.sqrt(0.25**2 / (80 * VOCAB)))  # one logit of all
     compare(ref, candidate(), PROMPTS, TEXT, "int8", base)
     assert len(calls) == len(PROMPTS) + 1  # and the text once
 
