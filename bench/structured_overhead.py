@@ -5,7 +5,9 @@ A demo model (the tiny one by default) on the CPU or a GPU, N sequences in stead
 the run, so every step masks every row): json_schema_serial with the grammar fill on the engine thread
 (Sampler.begin(overlap=False), as before the fill overlapped), json_schema as the engine runs it.
 Prints one JSON line per mode with the median and mean wall (and thread-CPU) milliseconds of a whole
-`LLMEngine.step()` and of its structured part: the time in the sampler's grammar calls on the engine
+`LLMEngine.step()`, timed over --steps with nothing timed inside it, then, over --steps more (whose
+steps, timers included, are `step_wall_timed`: each accept's timer is a Python call), of its structured
+part: the time in the sampler's grammar calls on the engine
 thread (`GrammarMasks.begin` and its finish) and in any `GrammarMatcher.accept_token` outside them, then
 that part's pieces: `wait` (reading back the previous step's tokens: the device's time), `accept` (the
 matchers' accept_token, each call timed), `follow` (the matchers brought up to their tokens, `wait` and
@@ -75,12 +77,14 @@ machine), and `fill` (~0.8-1.2 ms) counts the worker's wait for the interpreter 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +129,8 @@ class PartTimer:
         return taken
 
 
-def install(timer: PartTimer) -> None:
+@contextlib.contextmanager
+def timed_parts(timer: PartTimer) -> Iterator[None]:
     """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and a finish)
     and any accept_token outside them; within them, wait: reading back the previous step's tokens (the
     device's time, not the host's), accept: the matchers' accept_token (each call timed, so the timer's
@@ -134,26 +139,37 @@ def install(timer: PartTimer) -> None:
     fill still running on the worker thread, mask: queuing (on a GPU) or running (on the CPU) the
     masking, the padded ids' included. fill: xgrammar's bitmask fill, on whichever thread runs it (the
     worker's, unless serial). process: LLMEngine._process, the previous step's tokens into outputs (the
-    work a fill on the worker overlaps)."""
+    work a fill on the worker overlaps). The functions are restored on exit: the timers' own cost (a
+    timed call per accept) stays out of the step times measured without them."""
     import xgrammar
     from modelfleet.dataplane.engine import structured
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
     from modelfleet.dataplane.engine.sampler import SampledBatch
 
-    LLMEngine._process = timer.wrap(LLMEngine._process, "process")
-    masks = structured.GrammarMasks
-    for name in ("begin", "finish", "finish_bitmask", "finish_into"):
-        setattr(masks, name, timer.wrap(getattr(masks, name), "structured"))
-    matcher = xgrammar.GrammarMatcher
-    matcher.accept_token = timer.wrap(timer.wrap(matcher.accept_token, "accept"), "structured")
-    structured._follow_tokens = timer.wrap(structured._follow_tokens, "follow", within="structured")
-    SampledBatch.host_token_ids = timer.wrap(SampledBatch.host_token_ids, "wait", within="structured")
-    worker = structured._FillWorker
-    worker.wait = timer.wrap(worker.wait, "fill_wait", within="structured")
     batch = xgrammar.BatchGrammarMatcher
-    batch.batch_fill_next_token_bitmask = timer.wrap(batch.batch_fill_next_token_bitmask, "fill")
-    xgrammar.apply_token_bitmask_inplace = timer.wrap(xgrammar.apply_token_bitmask_inplace, "mask")
-    structured._PaddingMask.apply = timer.wrap(structured._PaddingMask.apply, "mask")
+    masks, worker = structured.GrammarMasks, structured._FillWorker
+    patches = [
+        (LLMEngine, "_process", "process", None),
+        *((masks, name, "structured", None) for name in ("begin", "finish", "finish_bitmask", "finish_into")),
+        (xgrammar.GrammarMatcher, "accept_token", "accept", None),
+        (structured, "_follow_tokens", "follow", "structured"),
+        (SampledBatch, "host_token_ids", "wait", "structured"),
+        (worker, "wait", "fill_wait", "structured"),
+        (batch, "batch_fill_next_token_bitmask", "fill", None),
+        (xgrammar, "apply_token_bitmask_inplace", "mask", None),
+        (structured._PaddingMask, "apply", "mask", None),
+    ]
+    originals = [(owner, attr, owner.__dict__[attr]) for owner, attr, _, _ in patches]
+    for owner, attr, name, within in patches:
+        wrapped = timer.wrap(getattr(owner, attr), name, within)
+        if name == "accept":  # an accept outside begin counts as structured time too
+            wrapped = timer.wrap(wrapped, "structured")
+        setattr(owner, attr, wrapped)
+    try:
+        yield
+    finally:
+        for owner, attr, original in originals:
+            setattr(owner, attr, original)
 
 
 def label_for_trace() -> None:
@@ -170,7 +186,20 @@ def label_for_trace() -> None:
 
         return run
 
+    from modelfleet.dataplane.engine import structured
+    from modelfleet.dataplane.engine.sampler import Sampler
+    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
+
     LLMEngine._process = labelled(LLMEngine._process, "process")
+    # a constrained step's parts
+    Sampler.begin_masks = labelled(Sampler.begin_masks, "begin_masks")
+    Sampler.fused_parameters = labelled(Sampler.fused_parameters, "fused_parameters")
+    Sampler.graph_sampled = labelled(Sampler.graph_sampled, "graph_sampled")
+    structured._follow_tokens = labelled(structured._follow_tokens, "follow")
+    structured._FillWorker.start = labelled(structured._FillWorker.start, "fill_start")
+    structured._FillWorker.wait = labelled(structured._FillWorker.wait, "fill_wait")
+    DecodeGraphRunner.run = labelled(DecodeGraphRunner.run, "graphs_run")
+    MaskedHeadGraphs.run = labelled(MaskedHeadGraphs.run, "head_run")
     LLMEngine._finish_launched = labelled(LLMEngine._finish_launched, "finish_launched")
     Scheduler.schedule = labelled(Scheduler.schedule, "schedule")
     ModelRunner.launch = labelled(ModelRunner.launch, "launch")
@@ -218,7 +247,7 @@ def trace_steps(engine, path: Path, steps: int) -> None:
 def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
     from modelfleet.dataplane.sampling_params import SamplingParams
 
-    max_tokens = args.warmup + args.steps + (args.trace_steps if args.trace else 0) + 8
+    max_tokens = args.warmup + 2 * args.steps + (args.trace_steps if args.trace else 0) + 8
     sampler = engine.runner.sampler
     # Serial: the fill on the engine thread, as before it overlapped the previous step's processing.
     overlap = mode != "json_schema_serial"
@@ -244,19 +273,27 @@ def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
         engine.step()
     for _ in range(args.warmup):
         engine.step()
-    timer.take()
-    samples = []
+    # The step's own time first, with nothing timed inside it; then its parts, each timed.
+    clean = []
     for _ in range(args.steps):
         wall, cpu = time.perf_counter(), time.thread_time()
         engine.step()
-        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-        parts = timer.take()
-        # The host's own structured time: the grammar calls less their waits for the device's tokens
-        # and for the fill on the worker (its share still on the engine thread's path is fill_wait).
-        parts["structured_host"] = parts["structured"] - parts["wait"] - parts["fill_wait"]
-        # The fill's time off the engine thread's path (none when serial).
-        parts["fill_hidden"] = parts["fill"] - parts["fill_wait"] if mode == "json_schema" else 0.0
-        samples.append({"step_wall": wall, "step_cpu": cpu, **parts})
+        clean.append({"step_wall": time.perf_counter() - wall, "step_cpu": time.thread_time() - cpu})
+    samples = []
+    with timed_parts(timer):
+        timer.take()
+        for _ in range(args.steps):
+            wall = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - wall
+            parts = timer.take()
+            # The host's own structured time: the grammar calls less their waits for the device's
+            # tokens and for the fill on the worker (its share still on the engine thread's path is
+            # fill_wait).
+            parts["structured_host"] = parts["structured"] - parts["wait"] - parts["fill_wait"]
+            # The fill's time off the engine thread's path (none when serial).
+            parts["fill_hidden"] = parts["fill"] - parts["fill_wait"] if mode == "json_schema" else 0.0
+            samples.append({"step_wall_timed": wall, **parts})
     if args.trace is not None:
         trace_steps(engine, args.trace / f"structured-overhead-{mode}.json", args.trace_steps)
     assert len(engine.scheduler.running) == args.num_seqs, "a sequence finished early"
@@ -268,8 +305,8 @@ def run_mode(engine, timer: PartTimer, mode: str, args, vocab: int) -> dict:
     # grammar (1 in 4 here) that a median hides, and make the throughput.
     names = {"structured": "structured_wall"}
     medians = {}
-    for key in samples[0]:
-        values = [s[key] * 1e3 for s in samples]
+    for key in [*clean[0], *samples[0]]:
+        values = [s[key] * 1e3 for s in (clean if key in clean[0] else samples)]
         medians[f"{names.get(key, key)}_ms"] = round(statistics.median(values), 3)
         medians[f"{names.get(key, key)}_mean_ms"] = round(statistics.fmean(values), 3)
     return {
@@ -333,7 +370,6 @@ def main() -> int:
 
     torch.set_num_threads(1)
     timer = PartTimer()
-    install(timer)
     if args.trace is not None:
         label_for_trace()
     with tempfile.TemporaryDirectory() as tmp:
