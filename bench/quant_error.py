@@ -120,7 +120,14 @@ def end_to_end(model_dir: Path, fmt: str, reference, baselines: dict) -> dict:
             "validationInputs": validate.token_ids(model_dir, config["vocab_size"]),
         }
         report = {"method": info["method"]}
-        keys = ("passed", "maxAbsLogitDiff", "rmsLogitDiff", "top1Agreement", "perplexityRelDiff", "numDistinctTextIds")
+        keys = (
+            "passed",
+            "maxAbsLogitDiff",
+            "rmsLogitDiff",
+            "top1Agreement",
+            "perplexityRelDiff",
+            "numDistinctTextIds",
+        )
         extra = ("rule", "thresholds", "baseline", "top1AgreementDecisive", "numDecisivePositions")
         extra += ("decisiveMargin", "decisiveFlips")
         for label, (prompts, text) in inputs.items():

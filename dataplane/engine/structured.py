@@ -266,18 +266,20 @@ class SequenceGrammar:
     """One sequence's matcher and how many of its output tokens it has accepted (it follows the tokens
     when its sequence next samples, so tokens still in flight need no wait before that)."""
 
-    __slots__ = ("matcher", "num_accepted", "vocab")
+    __slots__ = ("handle", "matcher", "num_accepted", "vocab")
 
     def __init__(self, matcher: Any, vocab: GrammarVocab) -> None:
         self.matcher = matcher
+        # The matcher's native object, for the once-a-step calls of all rows (_follow_tokens): they skip
+        # xgrammar's Python wrappers, which cost more than the calls at 64 rows.
+        self.handle = matcher._handle
         self.num_accepted = 0
         self.vocab = vocab
 
     def accept(self, token: int) -> None:
         """Follows one sampled token. A rejected token (a failed row's) is ignored: that row's request
         ends with its error."""
-        vocab = self.vocab
-        self.matcher.accept_token(token if token < vocab.tokenizer_size else vocab.grammar_id(token))
+        self.matcher.accept_token(self.vocab.grammar_id(token))
         self.num_accepted += 1
 
 
@@ -571,8 +573,12 @@ def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[
     rows whose grammar is not yet terminated (a terminated one has accepted its end: its sequence is
     ending, and the row's token is dropped). A row's tokens before this step are on the host but the
     last, which may still be in flight (a row counts this step's token in flight too): it is read from
-    `previous` at the row's sample_row. Once per step for every constrained row: kept to plain loops."""
-    live = []
+    `previous` at the row's sample_row. Once per step for every constrained row: plain loops, and the
+    usual case, one token in flight a row, accepted by all rows in one native call (a rejected token,
+    a failed row's, is ignored there too)."""
+    rows: list[tuple[int, SequenceGrammar]] = []
+    handles: list[Any] = []
+    tokens: list[int] = []
     inflight: list[int] | None = None
     for i, seq in enumerate(seqs):
         grammar = seq.grammar
@@ -580,16 +586,25 @@ def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[
             continue
         known = seq.output_token_ids
         target = len(known) + seq.num_inflight - 1
-        # One accept per token: faster here than BatchGrammarMatcher.batch_accept_token, whose per-call
-        # overhead outweighs one token per row.
-        while grammar.num_accepted < min(target, len(known)):
+        while grammar.num_accepted < min(target, len(known)):  # a row behind: its known tokens first
             grammar.accept(known[grammar.num_accepted])
         if grammar.num_accepted < target:
             if inflight is None:
                 if previous is None:
                     raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
                 inflight = previous.host_token_ids()
-            grammar.accept(inflight[seq.sample_row])
-        if not grammar.matcher.is_terminated():
-            live.append((i, grammar))
-    return live
+            token = inflight[seq.sample_row]
+            handles.append(grammar.handle)
+            tokens.append(token if token < grammar.vocab.tokenizer_size else grammar.vocab.grammar_id(token))
+            grammar.num_accepted += 1
+        rows.append((i, grammar))
+    if handles:
+        _accept_tokens(handles, tokens)
+    return [(i, grammar) for i, grammar in rows if not grammar.handle.is_terminated()]
+
+
+def _accept_tokens(handles: list[Any], tokens: list[int]) -> None:
+    """handles[i] accepts tokens[i], in one call without the interpreter lock. xgrammar's own
+    BatchGrammarMatcher.batch_accept_token wraps this call and converts its result row by row, which
+    costs more than one accept_token a row (its core is what it calls: pinned, see pyproject.toml)."""
+    _xgrammar().base._core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)

@@ -146,7 +146,9 @@ def test_the_margin_is_three_sigmas_of_the_dtypes_expected_lead_movement():
 def test_with_no_decisive_position_top1_is_not_judged(dtype):
     """Where no lead is beyond the dtype's own error, agreement cannot tell a faithful artifact from a
     broken one: the report says so (null) and the logit limit and perplexity judge the artifact."""
-    every = compare(ref_logits, candidate(flip_odd=40, flip_even=40), PROMPTS, TEXT, dtype, deciding(2.0, dtype))
+    every = compare(
+        ref_logits, candidate(flip_odd=40, flip_even=40), PROMPTS, TEXT, dtype, deciding(2.0, dtype)
+    )
     assert every["numDecisivePositions"] == 0 and every["top1AgreementDecisive"] is None
     assert every["top1Agreement"] == 0.0 and every["decisiveFlips"] == []
     assert not any("top-1" in f for f in every["failures"]), every["failures"]

@@ -187,7 +187,8 @@ def test_a_terminated_grammar_masks_nothing(llm):
             raise AssertionError("a terminated matcher was asked for a mask")
 
     class Grammar:
-        matcher, num_accepted, vocab = Done(), 0, GrammarVocab(32, 32)
+        matcher = handle = Done()  # handle: the matcher's native object, which _follow_tokens reads
+        num_accepted, vocab = 0, GrammarVocab(32, 32)
 
     class Seq:
         grammar, output_token_ids, num_inflight = Grammar(), [], 1

@@ -247,3 +247,48 @@ def test_the_fused_path_keeps_its_seeded_tokens(llm, monkeypatch):
     for out in overlapped:
         assert len(out.token_ids) > 5
         assert allowed_throughout(llm, structured, out.token_ids)
+
+
+def test_the_matchers_follow_their_tokens_as_one_accept_a_token_would(llm):
+    """_follow_tokens accepts the tokens in flight of all rows in one native call: each matcher ends in
+    the state that one accept_token a token gives, for a row behind (its known tokens first), a row
+    whose token in flight the grammar rejects (a failed row's: ignored) and a row that ends its grammar."""
+    from types import SimpleNamespace
+
+    from modelfleet.dataplane.engine.structured import Grammars, _follow_tokens
+
+    engine = llm.engine
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = grammars.compile(("json_schema", SCHEMA)).result()
+    encode = functools.partial(engine.tokenizer.encode, add_special_tokens=False)
+    answer = encode('{"items": ["ab", "cd"], "n": 7}')
+    rows = [  # (tokens known on the host, the token in flight)
+        (answer[:3], answer[3]),  # the usual row: one token in flight
+        ([], answer[0]),  # the first token
+        (answer[:5], answer[5]),  # behind: it has accepted none of its known tokens yet
+        ([], encode("}")[0]),  # rejected: no answer starts with "}"
+        (answer, min(engine.eos_token_ids)),  # ends its grammar: not live any more
+    ]
+    seqs = []
+    for row, (known, _) in enumerate(rows):
+        grammar = Grammars.matcher(compiled)
+        if row != 2:  # the others have followed their known tokens already
+            for t in known:
+                grammar.accept(t)
+        seqs.append(
+            SimpleNamespace(grammar=grammar, output_token_ids=list(known), num_inflight=2, sample_row=row)
+        )
+    live = _follow_tokens(seqs, SimpleNamespace(host_token_ids=lambda: [t for _, t in rows]))
+    assert [i for i, _ in live] == [0, 1, 2, 3]
+    for (known, token), seq in zip(rows, seqs, strict=True):
+        reference = xgrammar.GrammarMatcher(compiled.grammar)
+        for t in [*known, token]:
+            reference.accept_token(compiled.vocab.grammar_id(t))
+        assert seq.grammar.num_accepted == len(known) + 1
+        assert seq.grammar.matcher.is_terminated() == reference.is_terminated()
+        if not reference.is_terminated():
+            ours, theirs = (xgrammar.allocate_token_bitmask(1, compiled.vocab.size) for _ in range(2))
+            seq.grammar.matcher.fill_next_token_bitmask(ours)
+            reference.fill_next_token_bitmask(theirs)
+            assert torch.equal(ours, theirs)
+    grammars.close()
