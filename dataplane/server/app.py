@@ -59,7 +59,11 @@ T = TypeVar("T")
 
 def create_app(dataplane: DataPlane, *, lifespan: Lifespan | None = None) -> FastAPI:
     _redact_keys_in_server_logs()
-    app = ServerSendApp(title="modelfleet", lifespan=lifespan)
+    # FastAPI's own OpenTelemetry off: HttpSpanMiddleware makes each request's server span (one, the
+    # root of the engine's spans) and /metrics has the server's figures; FastAPI's would add a second
+    # span and its own metrics wherever a global provider is set, and asks the providers every request.
+    telemetry = {"tracing": False, "metrics": False, "logs": False}
+    app = ServerSendApp(title="modelfleet", lifespan=lifespan, telemetry=telemetry)
     app.state.dataplane = dataplane
     app.add_middleware(HttpSpanMiddleware, tracer=dataplane.tracer)
     # Outermost: the key and the body's size and pace are checked before anything reads the body.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring
@@ -62,7 +62,8 @@ class ChunkTemplate:
     @classmethod
     def of(cls, build: Any) -> ChunkTemplate | None:
         """The template of the chunks `build(text, finish_reason)` gives; None where it gives None."""
-        text, reason = f'"text-{uuid.uuid4().hex}"', f'"reason-{uuid.uuid4().hex}"'  # as JSON strings
+        # Markers no chunk's fixed parts contain, as JSON strings (random bytes: a uuid4 costs more)
+        text, reason = f'"text-{os.urandom(16).hex()}"', f'"reason-{os.urandom(16).hex()}"'
         chunk: BaseModel | None = build(text[1:-1], reason[1:-1])
         if chunk is None:
             return None

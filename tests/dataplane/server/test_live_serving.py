@@ -225,6 +225,31 @@ def test_span_tree_continues_the_client_trace(fleet):
     assert spans["prefill"].end_time <= spans["decode"].start_time
 
 
+def test_one_server_span_a_request_with_a_global_provider_set(fleet, monkeypatch):
+    """Where the process has a global tracer provider (as `opentelemetry-instrument` sets one), the
+    request's server span is still ours alone: FastAPI's own telemetry, which would add a second span
+    and its own metrics, is off."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    global_spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(global_spans))
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: provider)
+    fleet.exporter.clear()
+    body = {"model": "tiny@v2", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=60).status_code == 200
+    deadline = time.monotonic() + 5
+    while not any(s.name.startswith("POST") for s in fleet.exporter.get_finished_spans()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    servers = [s for s in fleet.exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert [s.name for s in servers] == ["POST /v1/completions"]
+    assert global_spans.get_finished_spans() == ()
+
+
 def test_metrics_names(fleet):
     httpx.post(f"{fleet.url}/v1/completions", json={"model": "tiny@v1", "prompt": "x", "max_tokens": 3})
     text = scrape(fleet)
