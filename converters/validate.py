@@ -47,13 +47,13 @@ three standard deviations of what that dtype's rounding moves the lead by. A log
 the logit differences, the format's expected one RELATIVE_RATIOS x the baseline's measured RMS, and a
 lead moves by the difference of two such errors (sqrt(2) x the RMS), so at those positions a faithful
 artifact flips the top token about once in a thousand. At the others even a faithful artifact flips it:
-on the 8B preset fp8 (one linear 13x bf16's error) flipped 3 of the 6 positions that led by twice *bf16's*
-max difference, this rule's first form, with every flip inside that row's own movement. Random weights
+on the 8B preset fp8 (one linear 13x bf16's error) flipped 3 of the 6 positions that led by twice
+*bf16's* max difference, this rule's first form (its RMS logit error there: 10.7x bf16's). Random weights
 lead by ~std / 5 on a 128k vocabulary, so on the presets few or no positions are decisive for fp8 and the
 logit limit and perplexity judge it; trained checkpoints lead by several logits. Perplexity keeps its
 absolute row. The report names the rule and gives both figures (`rule`, `baseline`), the margin, and each
-decisive position whose top token flipped: the reference's lead there and how far that row's logits
-moved (`decisiveFlips`). A failed conversion logs the whole report.
+decisive position whose top token flipped: the reference's lead there and how far that row's logits moved
+(`decisiveFlips`). A failed conversion logs the whole report.
 """
 
 from __future__ import annotations
