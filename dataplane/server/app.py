@@ -62,8 +62,9 @@ def create_app(dataplane: DataPlane, *, lifespan: Lifespan | None = None) -> Fas
     # FastAPI's own OpenTelemetry off: HttpSpanMiddleware makes each request's server span (one, the
     # root of the engine's spans) and /metrics has the server's figures; FastAPI's would add a second
     # span and its own metrics wherever a global provider is set, and asks the providers every request.
-    telemetry = {"tracing": False, "metrics": False, "logs": False}
-    app = ServerSendApp(title="modelfleet", lifespan=lifespan, telemetry=telemetry)
+    app = ServerSendApp(
+        title="modelfleet", lifespan=lifespan, telemetry={"tracing": False, "metrics": False, "logs": False}
+    )
     app.state.dataplane = dataplane
     app.add_middleware(HttpSpanMiddleware, tracer=dataplane.tracer)
     # Outermost: the key and the body's size and pace are checked before anything reads the body.
