@@ -593,9 +593,8 @@ def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[
                 if previous is None:
                     raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
                 inflight = previous.host_token_ids()
-            token = inflight[seq.sample_row]
             handles.append(grammar.handle)
-            tokens.append(token if token < grammar.vocab.tokenizer_size else grammar.vocab.grammar_id(token))
+            tokens.append(grammar.vocab.grammar_id(inflight[seq.sample_row]))
             grammar.num_accepted += 1
         rows.append((i, grammar))
     if handles:
