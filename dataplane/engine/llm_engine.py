@@ -156,7 +156,10 @@ class LLMEngine(PromptChecks):
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._grammars: Grammars | None = None  # made with the first structured request
+        self._grammars: Grammars | None = (
+            None  # made at start on a GPU, else with the first structured request
+        )
+        self._prepare_structured()
         # Requests whose grammar a worker is compiling: they join the scheduler once it is ready.
         self._compiling: dict[str, tuple[Sequence, Future[Any]]] = {}
 
@@ -292,6 +295,24 @@ class LLMEngine(PromptChecks):
             detokenize_each_step=stream or bool(params.stop),
             delta=params.output_kind == "delta",
         )
+
+    def _prepare_structured(self) -> None:
+        """Where decode steps replay CUDA graphs with the sampling head (a GPU's), structured output is made
+        ready at start: else the first constrained request stalls every stream while xgrammar loads and
+        builds the tokenizer's grammar vocabulary (~0.5 s) and the masked sampling kernel compiles (~0.85
+        s on an H200, on the engine thread). Without xgrammar or a tokenizer nothing is made; a
+        constrained request then fails with that error, as before."""
+        if self.tokenizer is None or not getattr(self.runner, "samples_in_graphs", False):
+            return  # other runners (an engine profile, ONNX) and the CPU's
+        grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        try:
+            vocab = grammars.prepare()
+        except ValueError as exc:
+            logger.info("structured output not prepared at start: %s", exc)
+            grammars.close()
+            return
+        self._grammars = grammars
+        self.runner.prepare_structured(vocab)
 
     def _compile(self, params: SamplingParams) -> Future[Any] | None:
         """A structured request's grammar, compiled on a worker thread (cached by schema), else None."""

@@ -145,6 +145,7 @@ class Grammars:
         self._compiler: Any = None
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         # One worker: compiles use every core xgrammar is given already; more would only contend.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="modelfleet-grammar")
 
@@ -161,8 +162,15 @@ class Grammars:
                 self._compiled.popitem(last=False)
             return future
 
+    def prepare(self) -> GrammarVocab:
+        """The compiler made now (xgrammar's import and the tokenizer's grammar vocabulary: ~0.5 s for a
+        128k vocabulary), before any compile asks for it; its vocabulary. ValueError as compile's."""
+        self._compiler_made()
+        assert self.vocab is not None  # made with the compiler
+        return self.vocab
+
     def _compile(self, structured: tuple[str, str]) -> CompiledSchema:
-        compiler = self._compiler or self._make_compiler()
+        compiler = self._compiler_made()
         assert self.vocab is not None  # made with the compiler
         schema = _schema(structured)
         try:
@@ -179,6 +187,10 @@ class Grammars:
         import xgrammar
 
         return SequenceGrammar(xgrammar.GrammarMatcher(compiled.grammar), compiled.vocab)
+
+    def _compiler_made(self) -> Any:
+        with self._compiler_lock:  # apart from _lock: compile() must not wait for a compiler to be made
+            return self._compiler or self._make_compiler()
 
     def _make_compiler(self) -> Any:
         if self.tokenizer is None:

@@ -260,6 +260,17 @@ class MaskedHeadGraphs:
         graph.replay()
         return self.outputs[padded][:batch_size]
 
+    @torch.inference_mode()
+    def compile_kernels(self) -> None:
+        """Runs the masked head once, eagerly, at each of the forward graphs' batch sizes (no row masked),
+        so that the masked sampling kernel's variants are compiled: ~1 s of Triton compiling that would
+        otherwise stall the engine's every stream at the first constrained request. The eager sampler's
+        masked path runs the same variants (the same logits dtype and bitmask layout)."""
+        for padded in self.runner.batch_sizes:
+            self.packing.device_views["masked_rows"][:padded].zero_()
+            self._call(padded)
+        torch.cuda.current_stream().synchronize()
+
     def _call(self, padded: int) -> torch.Tensor:
         from modelfleet.dataplane.kernels.sampling import TokenBitmask
 

@@ -116,6 +116,53 @@ def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_d
     check_overlap_and_tokens(graphs, monkeypatch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_structured_output_is_ready_before_the_first_request(tiny_model_dir, monkeypatch):
+    """A GPU engine prepares structured output at start (LLMEngine._prepare_structured): the grammar
+    compiler is made and the masked sampling kernel compiled for its decode graphs' batch sizes, so the
+    first constrained requests compile no sampling kernel (on an H200 that compile stalled every stream
+    for ~0.85 s)."""
+    from triton.runtime.jit import JITFunction
+
+    llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cuda")
+    engine = llm.engine
+    assert engine._grammars is not None and engine._grammars.vocab is not None
+    assert engine.runner.masked_head is not None
+    compiled: list[str] = []
+    do_compile = JITFunction._do_compile
+
+    def counted(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return do_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counted)
+    prompts, params = batch()
+    outputs = llm.generate(prompts, params)
+    assert all(o.token_ids for o in outputs)
+    assert [name for name in compiled if name in ("_chunk_kernel", "_reduce_kernel")] == []
+
+
+def test_a_cpu_engine_prepares_no_structured_output(llm):
+    """Off a GPU nothing is made at start: a CPU engine pays for xgrammar only with a constrained request."""
+    assert llm.engine._grammars is None
+
+
+def test_a_prepared_compiler_is_the_one_compiles_use(llm):
+    from modelfleet.dataplane.engine.structured import Grammars
+
+    engine = llm.engine
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    made = []
+    make = grammars._make_compiler
+    grammars._make_compiler = lambda: made.append(1) or make()
+    vocab = grammars.prepare()
+    assert vocab.model_size == engine.vocab_size and made == [1]
+    assert grammars.compile(("json_schema", SCHEMA)).result().vocab == vocab
+    assert grammars.prepare() == vocab and made == [1]  # once
+    grammars.close()
+
+
 def test_a_token_in_flight_without_its_batch_is_an_error():
     class Grammar:
         matcher, num_accepted = object(), 0
