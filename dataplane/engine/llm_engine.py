@@ -302,8 +302,11 @@ class LLMEngine(PromptChecks):
         builds the tokenizer's grammar vocabulary (~0.5 s) and the masked sampling kernel compiles (~0.85
         s on an H200, on the engine thread). Without xgrammar or a tokenizer nothing is made; a
         constrained request then fails with that error, as before."""
-        if self.tokenizer is None or not getattr(self.runner, "samples_in_graphs", False):
-            return  # other runners (an engine profile, ONNX) and the CPU's
+        from modelfleet.dataplane.engine.model_runner import ModelRunner
+
+        runner = self.runner
+        if self.tokenizer is None or not (isinstance(runner, ModelRunner) and runner.samples_in_graphs):
+            return  # other runners (GraphRunner's exported graphs) and the CPU's
         grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         try:
             vocab = grammars.prepare()
@@ -312,7 +315,7 @@ class LLMEngine(PromptChecks):
             grammars.close()
             return
         self._grammars = grammars
-        self.runner.prepare_structured(vocab)
+        runner.prepare_structured(vocab)
 
     def _compile(self, params: SamplingParams) -> Future[Any] | None:
         """A structured request's grammar, compiled on a worker thread (cached by schema), else None."""

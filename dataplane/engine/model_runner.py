@@ -335,15 +335,16 @@ class ModelRunner:
 
         return LaunchedStep(len(seqs), list(range(len(seqs))), None, finish)
 
+    @property
+    def samples_in_graphs(self) -> bool:
+        """Whether decode steps replay captured graphs with the sampling head (a GPU's, not enforce_eager)."""
+        graphs = self.decode_graphs
+        return graphs is not None and graphs.head is not None and bool(graphs.graphs)
+
     def prepare_structured(self, vocab: GrammarVocab) -> None:
-        """Where decode steps replay graphs with a sampling head: the masked head for `vocab`, its kernels
-        compiled now (MaskedHeadGraphs.compile_kernels) rather than at the first constrained request."""
-        if (
-            self.decode_graphs is not None
-            and self.decode_graphs.head is not None
-            and self.decode_graphs.graphs
-        ):
-            self._masked_head(vocab).compile_kernels()
+        """Where samples_in_graphs: the masked head for `vocab`, its kernels compiled now
+        (MaskedHeadGraphs.compile_kernels) rather than at the first constrained request."""
+        self._masked_head(vocab).compile_kernels()
 
     def _masked_head(self, vocab: GrammarVocab) -> MaskedHeadGraphs:
         """The decode graphs' masked sampling head for a grammar vocabulary (one per engine in practice:

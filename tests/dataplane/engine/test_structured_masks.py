@@ -145,7 +145,24 @@ def test_on_the_gpu_structured_output_is_ready_before_the_first_request(tiny_mod
 
 def test_a_cpu_engine_prepares_no_structured_output(llm):
     """Off a GPU nothing is made at start: a CPU engine pays for xgrammar only with a constrained request."""
-    assert llm.engine._grammars is None
+    assert not llm.engine.runner.samples_in_graphs and llm.engine._grammars is None
+
+
+def test_an_engine_whose_steps_sample_in_graphs_prepares_at_start(tiny_model_dir, monkeypatch):
+    """Where decode steps sample in graphs, the engine makes the grammar compiler at start and hands the
+    runner its vocabulary (the GPU test above compiles the kernels); constrained requests then use it."""
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+
+    prepared = []
+    monkeypatch.setattr(ModelRunner, "samples_in_graphs", property(lambda self: True))
+    monkeypatch.setattr(ModelRunner, "prepare_structured", lambda self, vocab: prepared.append(vocab))
+    llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cpu")
+    grammars = llm.engine._grammars
+    assert grammars is not None and prepared == [grammars.vocab]
+    grammars._make_compiler = lambda: pytest.fail("a second compiler was made")
+    structured = ("json_schema", SCHEMA)
+    (out,) = llm.generate(["one"], SamplingParams(max_tokens=16, temperature=0.0, structured=structured))
+    assert out.token_ids and allowed_throughout(llm, structured, out.token_ids)
 
 
 def test_a_prepared_compiler_is_the_one_compiles_use(llm):
