@@ -74,10 +74,17 @@ def check_structured(structured: tuple[str, str], tokenizer: Any) -> None:
     """ValueError naming what is wrong with a request's constraint; parses the schema, compiles nothing."""
     if tokenizer is None:
         raise ValueError("response_format: structured output needs the model's tokenizer")
+    _parse_schema(_schema(structured))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _parse_schema(schema: str) -> None:
+    """Once per schema that parses (a failure is not kept: each request with it gets its error): a
+    schema's parse costs ~0.16 ms, paid by every request on the server's event loop before."""
     xgrammar = _xgrammar()
     try:
         # Compact JSON: free whitespace would let a model spend its tokens on spaces.
-        xgrammar.Grammar.from_json_schema(_schema(structured), any_whitespace=False)
+        xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its own message
         raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
 

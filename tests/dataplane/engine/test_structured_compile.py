@@ -197,3 +197,26 @@ def test_a_terminated_grammar_masks_nothing(llm):
     masks._filler = Filler()
     logits = torch.zeros(1, 32)
     assert torch.equal(masks.apply(logits, [Seq()], None), torch.zeros(1, 32))
+
+
+def test_a_schema_is_parsed_once_and_a_bad_one_fails_every_time(monkeypatch):
+    """check_structured (the server's check of each request) parses a schema once; a schema that does
+    not parse gives its error to every request that sends it."""
+    import xgrammar
+    from modelfleet.dataplane.engine import structured
+
+    structured._parse_schema.cache_clear()
+    parsed: list[str] = []
+    parse = xgrammar.Grammar.from_json_schema
+    monkeypatch.setattr(
+        xgrammar.Grammar, "from_json_schema", lambda s, **kw: parsed.append(s) or parse(s, **kw)
+    )
+    good = ("json_schema", '{"type": "object", "properties": {"n": {"type": "integer"}}}')
+    for _ in range(3):
+        structured.check_structured(good, tokenizer=object())
+    assert parsed == [good[1]]
+    bad = ("json_schema", '{"type": "object", "properties": {"n": {"type": "no-such-type"}}}')
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^response_format: the JSON schema cannot be compiled"):
+            structured.check_structured(bad, tokenizer=object())
+    assert parsed == [good[1], bad[1], bad[1]]
