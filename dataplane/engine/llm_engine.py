@@ -315,7 +315,13 @@ class LLMEngine(PromptChecks):
             grammars.close()
             return
         self._grammars = grammars
-        runner.prepare_structured(vocab)
+        import torch
+
+        try:
+            runner.prepare_structured(vocab)
+        except torch.cuda.OutOfMemoryError:
+            # The KV cache is sized already: a GPU this full compiles at the first constrained request.
+            logger.warning("structured output's sampling kernels not compiled at start: out of GPU memory")
 
     def _compile(self, params: SamplingParams) -> Future[Any] | None:
         """A structured request's grammar, compiled on a worker thread (cached by schema), else None."""

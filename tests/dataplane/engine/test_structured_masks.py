@@ -165,6 +165,21 @@ def test_an_engine_whose_steps_sample_in_graphs_prepares_at_start(tiny_model_dir
     assert out.token_ids and allowed_throughout(llm, structured, out.token_ids)
 
 
+def test_an_engine_starts_where_its_kernels_do_not_fit_to_compile(tiny_model_dir, monkeypatch, caplog):
+    """The kernels' compile at start runs after the KV cache took its memory: out of GPU memory there, the
+    engine still starts, its grammar compiler made, and its kernels compile at the first request."""
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+
+    def out_of_memory(self, vocab):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(ModelRunner, "samples_in_graphs", property(lambda self: True))
+    monkeypatch.setattr(ModelRunner, "prepare_structured", out_of_memory)
+    llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cpu")
+    assert llm.engine._grammars is not None and llm.engine._grammars.vocab is not None
+    assert "not compiled at start: out of GPU memory" in caplog.text
+
+
 def test_a_prepared_compiler_is_the_one_compiles_use(llm):
     from modelfleet.dataplane.engine.structured import Grammars
 
