@@ -97,3 +97,25 @@ def test_the_overhead_bench_traces_the_engine_steps(tmp_path):
     names = {e.get("name") for e in events}
     assert {"LLMEngine.step", "schedule", "launch", "process"} <= names
     assert sum(e.get("name") == "LLMEngine.step" for e in events) == 2
+
+
+def test_rounds_give_each_ratio_and_their_median_and_spread(bench):
+    """bench/serve.py --structured --rounds N: each round's constrained line carries its ratio to the
+    plain line of the same round; the summary gives all of them, their median and spread."""
+    serve, _ = bench
+    lines = []
+    for plain, constrained in ((100.0, 80.0), (200.0, 170.0), (100.0, 90.0)):
+        lines.append({"mode": "plain", "output_throughput_tok_s": plain})
+        lines.append(
+            {
+                "mode": "json_schema",
+                "output_throughput_tok_s": constrained,
+                "structured_vs_plain_output_throughput": round(constrained / plain, 3),
+            }
+        )
+    assert serve.structured_summary(lines) == {
+        "structured_vs_plain_ratios": [0.8, 0.85, 0.9],
+        "structured_vs_plain_median": 0.85,
+        "structured_vs_plain_spread": 0.1,
+    }
+    assert serve.structured_summary([{"mode": "plain", "output_throughput_tok_s": 0.0}]) is None
