@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self._decoder = None if tokenizer is None else _decoder(tokenizer, context)
         self.stop = stop
         self.hold_back = max((len(s) for s in stop), default=1) - 1
-        # All text decoded so far, and how much of it was handed out.
+        # With stop strings: all text decoded so far, and how much of it was handed out.
         self.text = ""
         self.num_emitted_chars = 0
 
@@ -31,6 +31,8 @@ class IncrementalDetokenizer:
         if self._decoder is None:
             return "", False
         new_text = self._decoder.add(new_token_ids, flush=finished)
+        if not self.stop:  # nothing to search or hold back: the new text is the delta (and the text unkept)
+            return new_text, False
         self.text += new_text
         stopped = False
         if self.stop:

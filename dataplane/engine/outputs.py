@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.stream_relay import RelayDone
@@ -48,41 +48,6 @@ class RequestOutput:
             new_token_ids=new_token_ids,
             logprobs=logprobs,
         )
-
-
-def request_output(
-    *,
-    delta: bool,
-    request_id: str,
-    prompt_token_ids: list[int],
-    text: str,
-    token_ids: list[int],
-    new_text: str,
-    new_token_ids: list[int],
-    logprobs: list[dict[int, float]] | None,
-    **rest: Any,
-) -> RequestOutput:
-    """An engine's output for one request. token_ids and logprobs are the request's own growing lists:
-    a cumulative output takes copies of them, a delta output only their new tail."""
-    if delta:
-        if logprobs is not None:
-            logprobs = logprobs[len(logprobs) - len(new_token_ids) :]
-        return RequestOutput(
-            request_id,
-            [],
-            new_text,
-            list(new_token_ids),
-            new_text,
-            new_token_ids,
-            logprobs,
-            delta=True,
-            **rest,
-        )
-    if logprobs is not None:
-        logprobs = list(logprobs)
-    return RequestOutput(
-        request_id, prompt_token_ids, text, list(token_ids), new_text, new_token_ids, logprobs, **rest
-    )
 
 
 @dataclass
