@@ -31,12 +31,10 @@ class IncrementalDetokenizer:
         if self._decoder is None:
             return "", False
         new_text = self._decoder.add(new_token_ids, flush=finished)
-        if not self.stop:  # nothing to search or hold back: the new text is the delta (and the text unkept)
+        if not self.stop:  # nothing to search or hold back: the new text is the delta (the text is not kept)
             return new_text, False
         self.text += new_text
-        stopped = False
-        if self.stop:
-            stopped = self._truncate_at_stop(len(self.text) - len(new_text))
+        stopped = self._truncate_at_stop(len(self.text) - len(new_text))
         end = len(self.text) if (finished or stopped) else max(len(self.text) - self.hold_back, 0)
         end = max(end, self.num_emitted_chars)
         delta = self.text[self.num_emitted_chars : end]

@@ -156,9 +156,8 @@ class LLMEngine(PromptChecks):
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._grammars: Grammars | None = (
-            None  # made at start on a GPU, else with the first structured request
-        )
+        # Made at start on a GPU (_prepare_structured), else with the first structured request.
+        self._grammars: Grammars | None = None
         self._prepare_structured()
         # Requests whose grammar a worker is compiling: they join the scheduler once it is ready.
         self._compiling: dict[str, tuple[Sequence, Future[Any]]] = {}
@@ -502,19 +501,14 @@ class LLMEngine(PromptChecks):
         if state.delta:
             if logprobs is not None:
                 logprobs = logprobs[len(logprobs) - len(new_token_ids) :]
-            request_id, prompt, text, token_ids = seq.request_id, [], new_text, list(new_token_ids)
+            prompt, text, token_ids = [], new_text, list(new_token_ids)
         else:
             state.text += new_text
             if logprobs is not None:
                 logprobs = list(logprobs)
-            request_id, prompt, text, token_ids = (
-                seq.request_id,
-                seq.prompt_token_ids,
-                state.text,
-                list(seq.output_token_ids),
-            )
+            prompt, text, token_ids = seq.prompt_token_ids, state.text, list(seq.output_token_ids)
         return RequestOutput(
-            request_id,
+            seq.request_id,
             prompt,
             text,
             token_ids,
