@@ -10,7 +10,7 @@ steps, timers included, are `step_wall_timed`: each accept's timer is a Python c
 part: the time in the sampler's grammar calls on the engine
 thread (`GrammarMasks.begin` and its finish) and in any `GrammarMatcher.accept_token` outside them, then
 that part's pieces: `wait` (reading back the previous step's tokens: the device's time), `accept` (the
-matchers' accept_token, each call timed), `follow` (the matchers brought up to their tokens, `wait` and
+matchers' accepts, each call timed), `follow` (the matchers brought up to their tokens, `wait` and
 the accepts included, timed once a step), `fill_wait` (finish's wait for a fill still running on the
 worker), `mask` (the masking, queued on a GPU), and `structured_host` (the structured part less its
 waits); and `fill` (xgrammar's batched bitmask fill, on whichever thread), `fill_hidden` (the fill less
@@ -24,8 +24,8 @@ overlaps).
     python bench/structured_overhead.py --model DIR --device cuda --schema records --trace traces/
 
 --trace DIR: after each mode's timed steps, a torch profiler trace (Chrome's format) of --trace-steps more,
-the engine's phases named (schedule, launch, launch_sample, finish_launched, process): a gap in the GPU's
-kernels shows which host work it waited for.
+the engine's phases named (schedule, launch, launch_sample, finish_launched, process, and a constrained
+step's parts) while it traces: a gap in the GPU's kernels shows which host work it waited for.
 
 --vocab N: the tiny model's layers with the demo tokenizer (~2.2k tokens) padded to N ids, eos at N-255:
 the vocabulary of bench/throughput.py's presets as bench/serve.py serves them with the demo tokenizer.
@@ -84,7 +84,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -130,41 +130,12 @@ class PartTimer:
 
 
 @contextlib.contextmanager
-def timed_parts(timer: PartTimer) -> Iterator[None]:
-    """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and a finish)
-    and any accept_token outside them; within them, wait: reading back the previous step's tokens (the
-    device's time, not the host's), accept: the matchers' accept_token (each call timed, so the timer's
-    own cost counts in it), follow: the whole of bringing the matchers up to their tokens (one timing a
-    step: the accepts, their bookkeeping and `wait`), fill_wait: finish's wait for a
-    fill still running on the worker thread, mask: queuing (on a GPU) or running (on the CPU) the
-    masking, the padded ids' included. fill: xgrammar's bitmask fill, on whichever thread runs it (the
-    worker's, unless serial). process: LLMEngine._process, the previous step's tokens into outputs (the
-    work a fill on the worker overlaps). The functions are restored on exit: the timers' own cost (a
-    timed call per accept) stays out of the step times measured without them."""
-    import xgrammar
-    from modelfleet.dataplane.engine import structured
-    from modelfleet.dataplane.engine.llm_engine import LLMEngine
-    from modelfleet.dataplane.engine.sampler import SampledBatch
-
-    batch = xgrammar.BatchGrammarMatcher
-    masks, worker = structured.GrammarMasks, structured._FillWorker
-    patches = [
-        (LLMEngine, "_process", "process", None),
-        *((masks, name, "structured", None) for name in ("begin", "finish", "finish_bitmask", "finish_into")),
-        (xgrammar.GrammarMatcher, "accept_token", "accept", None),
-        (structured, "_follow_tokens", "follow", "structured"),
-        (SampledBatch, "host_token_ids", "wait", "structured"),
-        (worker, "wait", "fill_wait", "structured"),
-        (batch, "batch_fill_next_token_bitmask", "fill", None),
-        (xgrammar, "apply_token_bitmask_inplace", "mask", None),
-        (structured._PaddingMask, "apply", "mask", None),
-    ]
-    originals = [(owner, attr, owner.__dict__[attr]) for owner, attr, _, _ in patches]
-    for owner, attr, name, within in patches:
-        wrapped = timer.wrap(getattr(owner, attr), name, within)
-        if name == "accept":  # an accept outside begin counts as structured time too
-            wrapped = timer.wrap(wrapped, "structured")
-        setattr(owner, attr, wrapped)
+def patched(wrappers: list[tuple[object, str, Callable]]) -> Iterator[None]:
+    """Each (owner, attribute, wrap): the attribute replaced by wrap(attribute) while inside, restored on
+    exit, so that nothing measured outside pays for the wrappers."""
+    originals = [(owner, attr, vars(owner)[attr]) for owner, attr, _ in wrappers]
+    for owner, attr, wrap in wrappers:
+        setattr(owner, attr, wrap(getattr(owner, attr)))
     try:
         yield
     finally:
@@ -172,38 +143,87 @@ def timed_parts(timer: PartTimer) -> Iterator[None]:
             setattr(owner, attr, original)
 
 
-def label_for_trace() -> None:
-    """Names the engine's host phases in a profiler trace (record_function ranges)."""
+def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
+    """structured: the sampler's grammar calls on the engine thread (`GrammarMasks.begin` and a finish)
+    and any accept_token outside them; within them, wait: reading back the previous step's tokens (the
+    device's time, not the host's), accept: the matchers' accepts (the one native call for all rows and
+    any single accept_token of a row behind; each call timed, so the timer's own cost counts in it),
+    follow: the whole of bringing the matchers up to their tokens (one timing a step: the accepts, their
+    bookkeeping and `wait`), fill_wait: finish's wait for a fill still running on the worker thread, mask:
+    queuing (on a GPU) or running (on the CPU) the masking, the padded ids' included. fill: xgrammar's
+    bitmask fill, on whichever thread runs it (the worker's, unless serial). process: LLMEngine._process,
+    the previous step's tokens into outputs (the work a fill on the worker overlaps). The functions are
+    restored on exit: the timers' own cost (a timed call per accept) stays out of the step times measured
+    without them."""
+    import xgrammar
+    from modelfleet.dataplane.engine import structured
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+    from modelfleet.dataplane.engine.sampler import SampledBatch
+
+    def part(name: str, within: str | None = None) -> Callable:
+        return lambda fn: timer.wrap(fn, name, within)
+
+    def accept(fn: Callable) -> Callable:  # an accept outside begin counts as structured time too
+        return timer.wrap(timer.wrap(fn, "accept"), "structured")
+
+    masks = structured.GrammarMasks
+    return patched(
+        [
+            (LLMEngine, "_process", part("process")),
+            *(
+                (masks, name, part("structured"))
+                for name in ("begin", "finish", "finish_bitmask", "finish_into")
+            ),
+            (xgrammar.GrammarMatcher, "accept_token", accept),
+            (structured, "_accept_tokens", accept),
+            (structured, "_follow_tokens", part("follow", "structured")),
+            (SampledBatch, "host_token_ids", part("wait", "structured")),
+            (structured._FillWorker, "wait", part("fill_wait", "structured")),
+            (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", part("fill")),
+            (xgrammar, "apply_token_bitmask_inplace", part("mask")),
+            (structured._PaddingMask, "apply", part("mask")),
+        ]
+    )
+
+
+def labelled_phases() -> contextlib.AbstractContextManager[None]:
+    """Names the engine's host phases in a profiler trace (record_function ranges), while inside."""
+    from modelfleet.dataplane.engine import structured
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
     from modelfleet.dataplane.engine.model_runner import ModelRunner
-    from modelfleet.dataplane.engine.scheduler import Scheduler
-
-    def labelled(fn, name: str):
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
-
-        return run
-
-    from modelfleet.dataplane.engine import structured
     from modelfleet.dataplane.engine.sampler import Sampler
+    from modelfleet.dataplane.engine.scheduler import Scheduler
     from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
 
-    LLMEngine._process = labelled(LLMEngine._process, "process")
-    # a constrained step's parts
-    Sampler.begin_masks = labelled(Sampler.begin_masks, "begin_masks")
-    Sampler.fused_parameters = labelled(Sampler.fused_parameters, "fused_parameters")
-    Sampler.graph_sampled = labelled(Sampler.graph_sampled, "graph_sampled")
-    structured._follow_tokens = labelled(structured._follow_tokens, "follow")
-    structured._FillWorker.start = labelled(structured._FillWorker.start, "fill_start")
-    structured._FillWorker.wait = labelled(structured._FillWorker.wait, "fill_wait")
-    DecodeGraphRunner.run = labelled(DecodeGraphRunner.run, "graphs_run")
-    MaskedHeadGraphs.run = labelled(MaskedHeadGraphs.run, "head_run")
-    LLMEngine._finish_launched = labelled(LLMEngine._finish_launched, "finish_launched")
-    Scheduler.schedule = labelled(Scheduler.schedule, "schedule")
-    ModelRunner.launch = labelled(ModelRunner.launch, "launch")
-    ModelRunner._sample = labelled(ModelRunner._sample, "launch_sample")
+    def label(name: str) -> Callable:
+        def wrap(fn: Callable) -> Callable:
+            @functools.wraps(fn)
+            def run(*args, **kwargs):
+                with torch.profiler.record_function(name):
+                    return fn(*args, **kwargs)
+
+            return run
+
+        return wrap
+
+    return patched(
+        [
+            (LLMEngine, "_process", label("process")),
+            (LLMEngine, "_finish_launched", label("finish_launched")),
+            (Scheduler, "schedule", label("schedule")),
+            (ModelRunner, "launch", label("launch")),
+            (ModelRunner, "_sample", label("launch_sample")),
+            # a constrained step's parts
+            (Sampler, "begin_masks", label("begin_masks")),
+            (Sampler, "fused_parameters", label("fused_parameters")),
+            (Sampler, "graph_sampled", label("graph_sampled")),
+            (structured, "_follow_tokens", label("follow")),
+            (structured._FillWorker, "start", label("fill_start")),
+            (structured._FillWorker, "wait", label("fill_wait")),
+            (DecodeGraphRunner, "run", label("graphs_run")),
+            (MaskedHeadGraphs, "run", label("head_run")),
+        ]
+    )
 
 
 def padded_demo_model(out_dir: Path, vocab_size: int, tokenizer_vocab: int | None = None) -> Path:
@@ -237,7 +257,7 @@ def trace_steps(engine, path: Path, steps: int) -> None:
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities, with_stack=False) as prof:
+    with labelled_phases(), profile(activities=activities, with_stack=False) as prof:
         for _ in range(steps):
             with torch.profiler.record_function("LLMEngine.step"):
                 engine.step()
@@ -370,8 +390,6 @@ def main() -> int:
 
     torch.set_num_threads(1)
     timer = PartTimer()
-    if args.trace is not None:
-        label_for_trace()
     with tempfile.TemporaryDirectory() as tmp:
         if args.vocab is not None:
             model_dir = padded_demo_model(Path(tmp) / f"padded-{args.vocab}", args.vocab)

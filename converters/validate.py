@@ -209,7 +209,7 @@ def compare(
     (the module docstring's "relative-to-bf16" rule); otherwise, and for other dtypes, by the table."""
     limits = THRESHOLDS[dtype]
     relative = baseline is not None and dtype in RELATIVE_RATIOS and baseline.dtype == BASELINE_DTYPE
-    decisive_margin = baseline.decisive_margin(dtype) if relative else math.inf  # type: ignore[union-attr]
+    decisive_margin = baseline.decisive_margin(dtype) if baseline is not None and relative else math.inf
     max_diff, squares, agree, total, ref_logits_all = 0.0, 0.0, 0, 0, []
     decisive_agree, decisive_total = 0, 0
     flips: list[tuple[float, float]] = []  # (reference's lead, row's max |diff|) where a decisive top-1 flips

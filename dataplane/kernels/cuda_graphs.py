@@ -266,8 +266,8 @@ class MaskedHeadGraphs:
         so that the masked sampling kernel's variants are compiled: ~1 s of Triton compiling that would
         otherwise stall the engine's every stream at the first constrained request. The eager sampler's
         masked path runs the same variants (the same logits dtype and bitmask layout)."""
+        self.packing.device_views["masked_rows"].zero_()
         for padded in self.runner.batch_sizes:
-            self.packing.device_views["masked_rows"][:padded].zero_()
             self._call(padded)
         torch.cuda.current_stream().synchronize()
 
