@@ -26,6 +26,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import socket
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import replace
@@ -75,9 +76,10 @@ class _RelayLink:
 
     def __init__(self, process: Any, conn: Connection) -> None:
         self.process, self.conn = process, conn
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by each send, and by the close
         self.requests: set[str] = set()  # relayed here and not yet over
         self.alive = True
+        self.reader: threading.Thread | None = None
 
     def send(self, message: Handoff | Drop, fd: int | None = None) -> bool:
         try:
@@ -88,6 +90,23 @@ class _RelayLink:
             return True
         except (OSError, ValueError):  # the relay is gone: its reader fails its streams
             return False
+
+    def shut_down(self) -> None:
+        """Ends the pipe for both of its ends: the relay exits, and our reader, even one blocked in a
+        read, gets an end of file (a close would wake neither: the blocked read holds the socket)."""
+        with self.lock, contextlib.suppress(OSError):
+            if not self.conn.closed:
+                with socket.fromfd(self.conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as pipe:
+                    pipe.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Once the reader has ended. A descriptor closed while another thread is about to read or
+        write it may by then be a new connection's (a client's request), and get the pipe's bytes."""
+        if self.reader is not None and self.reader.is_alive():
+            logger.error("stream relay %s: its reader did not end; its pipe is left open", self.process.pid)
+            return
+        with self.lock:
+            self.conn.close()
 
 
 class AsyncLLMProcess(PromptChecks, ThreadedEngine):
@@ -141,7 +160,8 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         self._start("modelfleet-engine-io")
         for index, link in enumerate(self._relays):
             name = f"modelfleet-relay-io-{index}"
-            threading.Thread(target=self._read_relay, args=(link,), name=name, daemon=True).start()
+            link.reader = threading.Thread(target=self._read_relay, args=(link,), name=name, daemon=True)
+            link.reader.start()
         # What exists now (the libraries, the server) lives as long as the process: leave it out of
         # full collections, which would otherwise scan it all and stall the event loop for tens of ms.
         gc.collect()
@@ -149,10 +169,14 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
 
     def _stop_relays(self) -> None:
         for link in self._relays:
-            link.conn.close()  # a relay exits when the server's end closes
+            link.shut_down()  # a relay exits when the server's end ends
+        for link in self._relays:
             link.process.join(timeout=5)
             if link.process.is_alive():
                 link.process.kill()
+            if link.reader is not None:
+                link.reader.join(timeout=10)
+            link.close()
 
     def _receive_start(self) -> Ready | StartFailed:
         try:
@@ -290,8 +314,15 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
         if self._process.is_alive():
             self._process.kill()
             self._process.join(timeout=10)
-        self._conn.close()
+        # The child's end closed as it exited: the reader ends at that end of file. Only then, and
+        # under the send lock, is ours closed (see _RelayLink.close: a closed descriptor's number is
+        # soon a new connection's, and a thread still holding it would read or write that).
         self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            logger.error("the engine process's reader did not end; its pipe is left open")
+        else:
+            with self._send_lock:
+                self._conn.close()
         self._stop_relays()
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 
 import pytest
 from modelfleet.dataplane import LLM, SamplingParams
 from modelfleet.dataplane.engine.engine_process import AsyncLLMProcess, EngineProcessError
+from modelfleet.dataplane.engine.stream_relay import Drop
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SETTINGS = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_bytes=1 << 22)
@@ -79,3 +81,21 @@ async def test_a_crashed_engine_process_ends_the_open_streams(tiny_model_dir):
             await asyncio.wait_for(collect(engine, [5, 6], SamplingParams(max_tokens=2)), timeout=10)
     finally:
         engine.close()
+
+
+def test_closing_never_closes_a_pipe_under_a_send(tiny_model_dir):
+    """A stream that ends as its engine is closed (the engine died, the version was retired) still
+    sends its relay a Drop. Had the close closed the relay's pipe under that send, the descriptor's
+    number could by then be a new client connection's, and the Drop's bytes its request's: the close
+    waits for sends in flight, and ends the pipe by a shutdown that wakes its reader."""
+    engine = AsyncLLMProcess(tiny_model_dir, stream_relays=1, **SETTINGS)
+    link = engine._relays[0]
+    closer = threading.Thread(target=engine.close)
+    with link.lock:  # a send in flight
+        closer.start()
+        closer.join(timeout=2)
+        assert closer.is_alive() and not link.conn.closed
+    closer.join(timeout=30)
+    assert not closer.is_alive() and link.conn.closed and engine._conn.closed
+    assert not link.process.is_alive() and link.reader is not None and not link.reader.is_alive()
+    assert not link.send(Drop("late"))  # a send after the close is refused, not written anywhere
