@@ -13,6 +13,13 @@ Prints one JSON line with the median milliseconds of each per step (wall and thr
 --profile, the total CPU time per step under cProfile and its top functions on stderr.
 
     python bench/step_overhead.py --num-seqs 256 --steps 200
+    python bench/step_overhead.py --num-seqs 256 --steps 200 --relayed
+
+--relayed: the requests as an engine process runs streams that a relay writes (delta outputs; after
+the first, each goes through engine_process.OutputRoutes to a relay's pipe, read by a process that
+drops it), twice in one run: the text decoded in the engine (the baseline), then handed to the relay
+(`release_text`: outputs carry tokens alone). Each line's `route` is OutputRoutes.send (rows, pickling,
+the pipe write), `host` the engine process's whole host time per step (total plus route).
 
 Measured on the shared 2-core development machine (tiny model, 256 sequences, 200 steps; medians of
 wall ms per step; runs of the same code vary by up to 1.5x with the machine's load, so before and after
@@ -37,6 +44,7 @@ import argparse
 import cProfile
 import io
 import json
+import multiprocessing
 import pickle
 import pstats
 import statistics
@@ -132,8 +140,78 @@ class _Launched:
     def __init__(self, result) -> None:
         self._result = result
 
+    def finish(self) -> None:
+        pass  # no grammar fill to wait for
+
     def result(self):
         return self._result
+
+
+def _drain(*conns) -> None:
+    """A stand-in relay and server: reads every message, drops it, until the pipes close."""
+    from multiprocessing.connection import wait
+
+    open_conns = list(conns)
+    while open_conns:
+        for conn in wait(open_conns):
+            try:
+                conn.recv()
+            except EOFError:
+                open_conns.remove(conn)
+
+
+def relayed_run(engine, timed: _Timed, args, vocab: int, text_in: str) -> dict[str, float]:
+    """Median ms per step of streams routed to a relay, their text decoded `text_in` the engine or
+    the relay."""
+    from modelfleet.dataplane.engine.engine_process import OutputRoutes
+    from modelfleet.dataplane.sampling_params import SamplingParams
+
+    context = multiprocessing.get_context("spawn")
+    from_engine, to_relay = context.Pipe(duplex=False)
+    from_server_end, to_server = context.Pipe(duplex=False)
+    drain = context.Process(target=_drain, args=(from_engine, from_server_end), daemon=True)
+    drain.start()
+    from_engine.close()
+    from_server_end.close()
+    routes = OutputRoutes(to_server, [to_relay])
+    if text_in == "relay":
+        routes.share_tokenizer(engine.stream_tokenizer(), engine.release_text)
+        assert routes.text_in_relays, "this tokenizer's text cannot be decoded in a relay"
+    params = SamplingParams(
+        max_tokens=args.warmup + args.steps + 8, ignore_eos=True, temperature=0.0, output_kind="delta"
+    )
+    rng = np.random.default_rng(1)
+    ids = [f"{text_in}-{i}" for i in range(args.num_seqs)]
+    for request_id in ids:
+        engine.add_request(request_id, rng.integers(16, vocab, size=args.prompt_len).tolist(), params)
+        routes.add(request_id, 1)
+
+    def step() -> dict[str, float]:
+        times = timed.step()
+        start = _now()
+        routes.send(timed.outputs, engine.stats())
+        end = _now()
+        for clock, name in enumerate(("wall", "cpu")):
+            times[f"route_{name}"] = end[clock] - start[clock]
+            times[f"host_{name}"] = times[f"total_{name}"] + times[f"route_{name}"]
+        return times
+
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running
+    ):
+        step()
+    for _ in range(args.warmup):
+        step()
+    samples = [step() for _ in range(args.steps)]
+    assert len(engine.scheduler.running) == args.num_seqs, "a sequence finished early"
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished_requests():
+        step()
+    to_relay.close()
+    to_server.close()
+    drain.join(timeout=30)
+    return {f"{key}_ms": round(statistics.median(s[key] for s in samples) * 1e3, 3) for key in samples[0]}
 
 
 def _now() -> tuple[float, float]:
@@ -159,6 +237,11 @@ def main() -> int:
         help="what each streamed output carries: everything so far, or only what is new (the server)",
     )
     parser.add_argument("--profile", action="store_true", help="also run the steps under cProfile")
+    parser.add_argument(
+        "--relayed",
+        action="store_true",
+        help="streams a relay writes: the text decoded in the engine, then in the relay (one line)",
+    )
     parser.add_argument("--model", type=Path, default=None, help="a checkpoint; default: the tiny demo")
     args = parser.parse_args()
 
@@ -171,6 +254,21 @@ def main() -> int:
         engine = build_engine(model_dir, args.num_seqs)
         vocab = engine.model_config.vocab_size
         timed = _Timed(engine, vocab, seed=0)
+        if args.relayed:
+            runs = {
+                text_in: relayed_run(engine, timed, args, vocab, text_in) for text_in in ("engine", "relay")
+            }
+            result = {
+                "bench": "step_overhead",
+                "relayed": True,
+                "num_seqs": args.num_seqs,
+                "steps": args.steps,
+                "text_in_engine": runs["engine"],
+                "text_in_relay": runs["relay"],
+                "host_cpu_ratio": round(runs["relay"]["host_cpu_ms"] / runs["engine"]["host_cpu_ms"], 3),
+            }
+            print(json.dumps(result))
+            return 0
         max_tokens = args.warmup + args.steps * (2 if args.profile else 1) + 8
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=args.output_kind

@@ -6,11 +6,15 @@ tokenizer streams through its library's public `DecodeStream`; a tokenizer witho
 one whose `decode` cleans up spaces afterwards (which no stream can do), decodes a sliding window with
 its own `decode`. Text that could be the start of a stop string is held back until it is known not to
 be one.
+
+A streamed request's text can also be decoded elsewhere, where it is written: `handover` gives the tokens
+a `StreamDecoder` there starts from (a stream relay: engine/stream_relay.py), and this one stops.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 # Tokens of context decoded before the new ones, so that spacing between words comes out right.
 _CONTEXT_TOKENS = 5
@@ -25,6 +29,17 @@ class IncrementalDetokenizer:
         # With stop strings: all text decoded so far, and how much of it was handed out.
         self.text = ""
         self.num_emitted_chars = 0
+
+    def handover(self, token_ids: list[int]) -> Handover | None:
+        """For a `StreamDecoder` elsewhere to go on from here, given every token fed so far with the
+        prompt before them: a few tokens of context, and those held back inside an unfinished
+        character. None where the text must stay here: stop strings need it each step, and only a
+        stream decoder's text is the same wherever it is decoded."""
+        if self.stop or not isinstance(self._decoder, StreamDecoder):
+            return None
+        held = self._decoder.held
+        decoded = len(token_ids) - len(held)
+        return Handover(token_ids[max(decoded - _CONTEXT_TOKENS, 0) : decoded], list(held))
 
     def add_tokens(self, new_token_ids: list[int], finished: bool) -> tuple[str, bool]:
         """Returns (text to emit now, whether a stop string was found)."""
@@ -51,33 +66,50 @@ class IncrementalDetokenizer:
         return False
 
 
-def _decoder(tokenizer: Any, context: list[int]) -> _StreamDecoder | _WindowDecoder:
+class Handover(NamedTuple):
+    """Where a StreamDecoder elsewhere starts: tokens of context (decoded already), then tokens fed
+    but held back inside an unfinished character (to feed it first)."""
+
+    context: list[int]
+    held: list[int]
+
+
+def stream_backend(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer a `StreamDecoder` decodes this tokenizer's text with, or None where it cannot
+    (no Rust backend, or a `decode` that cleans up spaces afterwards, which no stream can do)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        return _StreamDecoder(backend, context)
-    return _WindowDecoder(tokenizer, context)
+        return backend
+    return None
 
 
-class _StreamDecoder:
+def _decoder(tokenizer: Any, context: list[int]) -> StreamDecoder | _WindowDecoder:
+    backend = stream_backend(tokenizer)
+    return _WindowDecoder(tokenizer, context) if backend is None else StreamDecoder(backend, context)
+
+
+class StreamDecoder:
     """The Rust tokenizer's `DecodeStream`: its text is what `decode` of all the tokens gives."""
 
-    def __init__(self, backend: Any, context: list[int]) -> None:
+    def __init__(self, backend: Any, context: list[int], held: Sequence[int] = ()) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
         self._stream = DecodeStream(context, skip_special_tokens=True)
         # Tokens the stream holds back (an unfinished character), for the flush at the end.
-        self._pending: list[int] = []
+        self.held: list[int] = []
+        if held:
+            self.add(list(held), flush=False)
 
     def add(self, token_ids: list[int], flush: bool) -> str:
         text = self._stream.step(self._backend, token_ids) if token_ids else None
         if text is not None:
-            self._pending.clear()
+            self.held.clear()
             return text
-        self._pending.extend(token_ids)
-        if flush and self._pending:  # the request ends inside a character: its bytes decode as U+FFFD
-            text = self._backend.decode(self._pending, skip_special_tokens=True)
-            self._pending.clear()
+        self.held.extend(token_ids)
+        if flush and self.held:  # the request ends inside a character: its bytes decode as U+FFFD
+            text = self._backend.decode(self.held, skip_special_tokens=True)
+            self.held.clear()
             return text
         return ""
 

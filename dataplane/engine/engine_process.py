@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.engine.detokenizer import Handover
 from modelfleet.dataplane.engine.llm_engine import LLMEngine, PromptChecks
 from modelfleet.dataplane.engine.messages import (
     Abort,
@@ -59,7 +60,9 @@ from modelfleet.dataplane.engine.stream_relay import (
     RelayDone,
     RelayRow,
     RelayRows,
+    RelayTokenizer,
     StreamSink,
+    TextRow,
     run_relay,
 )
 from modelfleet.dataplane.engine.threaded import ThreadedEngine
@@ -352,7 +355,7 @@ def _relayed_output(done: RelayDone) -> RequestOutput:
     )
 
 
-def _row_output(row: RelayRow) -> RequestOutput:
+def _row_output(row: TextRow) -> RequestOutput:
     """A forwarded row as the delta output it was (relayed requests never ask for logprobs)."""
     request_id, text, token_ids, finish_reason, finished, error = row
     return RequestOutput(
@@ -374,21 +377,45 @@ def run_engine_process(conn: Connection, to_relays: list[Connection], config: En
     # A dead rank may leave this process waiting in a collective for good: say why, and exit.
     engine.set_failure_hook(functools.partial(_exit_fatal, locked))
     limits = EngineLimits(config.max_num_seqs, engine.max_model_len, engine.model_config.vocab_size)
+    routes = OutputRoutes(locked, to_relays)
+    routes.share_tokenizer(engine.stream_tokenizer(), engine.release_text)
     locked.send(Ready(limits, engine.stats()))
     with contextlib.suppress(EOFError, OSError):  # the parent is gone
-        _serve(locked, engine, OutputRoutes(locked, to_relays))
+        _serve(locked, engine, routes)
     engine.close()
 
 
 class OutputRoutes:
     """Where an engine process sends each output: to the server, or, for a request added with a relay
-    as its sink, every output after its first to that relay (stream_relay.py)."""
+    as its sink, every output after its first to that relay (stream_relay.py). Once the relays have the
+    engine's tokenizer, a relayed request's text is decoded there: its rows carry tokens alone."""
 
     def __init__(self, conn: Any, to_relays: list[Connection]) -> None:
         self.conn, self.to_relays = conn, to_relays
         self._first: dict[str, int] = {}  # relayed requests whose first output has not gone out
         self._relayed: dict[str, int] = {}  # the others, until their last output
         self._dead: set[int] = set()
+        self._release_text: Callable[[str], Handover | None] | None = None
+        self._decoded_there: set[str] = set()  # relayed requests whose rows carry no text
+        self._handovers: dict[str, Handover] = {}  # theirs, until their first row goes out
+
+    @property
+    def text_in_relays(self) -> bool:
+        """Whether relayed requests' text is decoded by their relays."""
+        return self._release_text is not None
+
+    def share_tokenizer(self, tokenizer: str | None, release_text: Callable[[str], Handover | None]) -> None:
+        """Sends every relay the tokenizer (stream_tokenizer's JSON; None: text stays in the engine);
+        from then on a relayed request's text is released to its relay (`release_text`) after its
+        first output."""
+        if tokenizer is None or not self.to_relays:
+            return
+        for relay, end in enumerate(self.to_relays, start=1):
+            try:
+                end.send(RelayTokenizer(tokenizer))
+            except (OSError, ValueError):
+                self._dead.add(relay)
+        self._release_text = release_text
 
     def add(self, request_id: str, sink: int) -> None:
         if sink and self.to_relays:
@@ -413,6 +440,7 @@ class OutputRoutes:
             return outputs
         mine: list[RequestOutput] = []
         rows: dict[int, list[RelayRow]] = {}
+        handovers: dict[int, dict[str, Handover]] = {}
         for output in outputs:
             request_id = output.request_id
             relay = self._relayed.get(request_id)
@@ -420,13 +448,20 @@ class OutputRoutes:
                 first = self._first.pop(request_id, None)
                 if first is not None and not output.finished:
                     self._relayed[request_id] = first
+                    self._release(request_id)
                 mine.append(output)
                 continue
+            text: str | None = output.new_text
+            if request_id in self._decoded_there:
+                text = None
+                if request_id in self._handovers:
+                    handovers.setdefault(relay, {})[request_id] = self._handovers.pop(request_id)
             if output.finished:
                 del self._relayed[request_id]
+                self._decoded_there.discard(request_id)
             row = (
                 request_id,
-                output.new_text,
+                text,
                 output.new_token_ids,
                 output.finish_reason,
                 output.finished,
@@ -436,10 +471,19 @@ class OutputRoutes:
         for relay, relay_rows in rows.items():
             if relay not in self._dead:
                 try:
-                    self.to_relays[relay - 1].send(RelayRows(relay_rows))
+                    self.to_relays[relay - 1].send(RelayRows(relay_rows, handovers.get(relay, {})))
                 except (OSError, ValueError):  # the server fails the streams of a relay that died
                     self._dead.add(relay)
         return mine
+
+    def _release(self, request_id: str) -> None:
+        """After a relayed request's first output: its later text is decoded by its relay, if it can be."""
+        if self._release_text is None:
+            return
+        handover = self._release_text(request_id)
+        if handover is not None:
+            self._decoded_there.add(request_id)
+            self._handovers[request_id] = handover
 
 
 class _LockedConnection:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelfleet.dataplane.config import PREFILL_WAIT_STEPS, EngineConfig, check_prefill_fits
 from modelfleet.dataplane.engine.block_manager import BlockManager
-from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
+from modelfleet.dataplane.engine.detokenizer import Handover, IncrementalDetokenizer, stream_backend
 from modelfleet.dataplane.engine.host_kv import HostTier
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
 from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
@@ -101,7 +101,8 @@ def _needs_host_tokens(scheduled: SchedulerOutput) -> bool:
 @dataclass
 class _RequestState:
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    # None once the text is decoded where the outputs are written (release_text).
+    detokenizer: IncrementalDetokenizer | None
     text: str = ""
     num_reported_tokens: int = 0
     logprobs: list[dict[int, float]] | None = field(default=None)
@@ -474,10 +475,13 @@ class LLMEngine(PromptChecks):
 
     def _detokenize(self, state: _RequestState, finished: bool) -> bool:
         """Feeds the tokens not yet detokenized; whether a stop string was found."""
+        detokenizer = state.detokenizer
+        if detokenizer is None:  # decoded elsewhere: outputs carry the tokens alone
+            return False
         output_token_ids = state.seq.output_token_ids
         new_token_ids = output_token_ids[state.num_detokenized :]
         state.num_detokenized = len(output_token_ids)
-        new_text, stopped = state.detokenizer.add_tokens(new_token_ids, finished=finished)
+        new_text, stopped = detokenizer.add_tokens(new_token_ids, finished=finished)
         state.pending_text += new_text
         return stopped
 
@@ -489,6 +493,28 @@ class LLMEngine(PromptChecks):
         new_text, state.pending_text = state.pending_text, ""
         # A slice: a fresh list that no later step changes.
         return self._make_output(state, state.seq.output_token_ids[state.num_reported_tokens :], new_text)
+
+    def stream_tokenizer(self) -> str | None:
+        """The tokenizer (its JSON) that decodes a streamed request's text outside the engine exactly as
+        the engine would (detokenizer.StreamDecoder), or None where only the engine can."""
+        backend = stream_backend(self.tokenizer)
+        return None if backend is None else backend.to_str()
+
+    def release_text(self, request_id: str) -> Handover | None:
+        """Stops decoding the text of a streamed delta request whose later outputs are decoded where
+        they are written (a stream relay, given stream_tokenizer()); its outputs then carry new tokens
+        and no text. Returns where that decoder starts, or None where the text must stay here (stop
+        strings, a tokenizer without a stream decoder, a request not streamed in deltas)."""
+        state = self._requests.get(request_id)
+        if state is None or state.detokenizer is None or not (state.stream and state.delta):
+            return None
+        if state.pending_text:  # text no output has carried yet: this request's text stays here
+            return None
+        seq = state.seq
+        handover = state.detokenizer.handover(seq.token_ids[: seq.num_prompt_tokens + state.num_detokenized])
+        if handover is not None:
+            state.detokenizer = None
+        return handover
 
     def _make_output(self, state: _RequestState, new_token_ids: list[int], new_text: str) -> RequestOutput:
         """The request's output. A delta output carries only what is new (no prompt, the new text and

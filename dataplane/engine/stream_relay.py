@@ -12,6 +12,11 @@ and the engine waits for it. An engine process (engine_process.py) can hand that
    connection's socket and the chunk template (`Handoff`, the socket passed with SCM_RIGHTS). The
    relay writes each later output as an SSE chunk of that template, in HTTP chunked framing, with the
    socket's own non-blocking writes; outputs that came before the handoff wait in order.
+   Where the engine's tokenizer decodes in a stream (detokenizer.StreamDecoder) and the request has no
+   stop strings, the engine stops decoding its text after the first output: its rows carry the new
+   tokens alone, the first with where the decoder starts (`RelayRows.handovers`), and the relay decodes
+   them with the tokenizer the engine sent it at start (`RelayTokenizer`). Text is per-token work the
+   engine's one thread would otherwise do for every stream, beside the model.
 3. At the request's last output the relay tells the server what it wrote (`RelayDone`: token counts
    and inter-token gaps for the metrics, the finish reason or error, or that the client left); the
    server then writes the usage chunk, `data: [DONE]` and the end of the body itself.
@@ -37,7 +42,9 @@ import time
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring
 from multiprocessing.connection import Connection
-from typing import Protocol
+from typing import Any, Protocol
+
+from modelfleet.dataplane.engine.detokenizer import Handover, StreamDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +52,27 @@ logger = logging.getLogger(__name__)
 # it took the server's abort come within a step or two).
 DROP_MEMORY = 60.0
 
-# One output of a relayed request, engine -> relay: request id, new text, new token ids, finish reason,
-# finished, error. Tuples: a relay rebuilds no engine classes (and imports neither torch nor pydantic).
-RelayRow = tuple[str, str, list[int], str | None, bool, str | None]
+# One output of a relayed request, engine -> relay: request id, new text (None: decode the tokens here),
+# new token ids, finish reason, finished, error. Tuples: a relay rebuilds no engine classes (and imports
+# neither torch nor pydantic).
+RelayRow = tuple[str, str | None, list[int], str | None, bool, str | None]
+TextRow = tuple[str, str, list[int], str | None, bool, str | None]  # a row with its text, as written
 
 
 @dataclass(frozen=True, slots=True)
 class RelayRows:
-    """Engine -> relay: one step's outputs of the requests relayed here."""
+    """Engine -> relay: one step's outputs of the requests relayed here, and for each request whose
+    first row without text is among them, where its decoder starts."""
 
     rows: list[RelayRow]
+    handovers: dict[str, Handover] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayTokenizer:
+    """Engine -> relay, at start: the tokenizer (its JSON) to decode rows without text with."""
+
+    json: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +97,7 @@ class Drop:
 class Forwarded:
     """Relay -> server: outputs of a request that was taken back (Handoff without a template)."""
 
-    rows: list[RelayRow]
+    rows: list[TextRow]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +133,7 @@ class StreamSink(Protocol):
 class _Stream:
     """A relayed request, from its first row here to its last."""
 
-    rows: list[tuple[RelayRow, float]] = field(default_factory=list)  # with their arrival, until the handoff
+    rows: list[tuple[TextRow, float]] = field(default_factory=list)  # with their arrival, until the handoff
     sock: socket.socket | None = None
     template: tuple[str, str, str] | None = None
     handed: bool = False
@@ -127,6 +145,7 @@ class _Stream:
     counts: list[tuple[int, float | None]] = field(default_factory=list)
     last: float = 0.0  # when the previous output with tokens arrived (here or at the server)
     done: RelayDone | None = None  # sent once `pending` is out
+    decoder: StreamDecoder | None = None  # for rows without text
 
 
 def chunk_bytes(template: tuple[str, str, str], text: str, finish_reason: str | None) -> bytes:
@@ -159,6 +178,7 @@ class _Relay:
         # was the server's) or come later on the other pipe. Their rows are ignored; the ids are kept
         # DROP_MEMORY seconds, in the order dropped, then forgotten.
         self.unseen_drops: dict[str, float] = {}
+        self.tokenizer: Any = None  # from the engine (RelayTokenizer), where it hands text over
 
     def run(self) -> None:
         while True:
@@ -180,8 +200,13 @@ class _Relay:
 
     def _from_engine(self, _fd: int) -> None:
         message = self.engine.recv()
+        if isinstance(message, RelayTokenizer):
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_str(message.json)
+            return
         now = time.monotonic()
-        forwarded: list[RelayRow] = []
+        forwarded: list[TextRow] = []
         for row in message.rows:
             if row[0] in self.unseen_drops:
                 if row[4]:
@@ -192,16 +217,30 @@ class _Relay:
                 stream = self.streams[row[0]] = _Stream()
             stream.finished = stream.finished or row[4]
             if stream.dropped:
-                pass
-            elif stream.forward:
-                forwarded.append(row)
+                self._forget_if_over(row[0], stream)
+                continue
+            text_row = self._with_text(stream, row, message.handovers)
+            if stream.forward:
+                forwarded.append(text_row)
             elif stream.handed:
-                self._write_row(row[0], stream, row, now)
+                self._write_row(row[0], stream, text_row, now)
             else:
-                stream.rows.append((row, now))
+                stream.rows.append((text_row, now))
             self._forget_if_over(row[0], stream)
         if forwarded:
             self.server.send(Forwarded(forwarded))
+
+    def _with_text(self, stream: _Stream, row: RelayRow, handovers: dict[str, Handover]) -> TextRow:
+        """The row with its text: a row without is decoded from its tokens here (in order: the decoder
+        holds state)."""
+        request_id, text, token_ids, finish_reason, finished, error = row
+        if text is None:
+            decoder = stream.decoder
+            if decoder is None:
+                context, held = handovers[request_id]
+                decoder = stream.decoder = StreamDecoder(self.tokenizer, context, held)
+            text = decoder.add(token_ids, flush=finished)
+        return request_id, text, token_ids, finish_reason, finished, error
 
     def _from_server(self, _fd: int) -> None:
         message: RelayMessage = self.server.recv()
@@ -234,7 +273,7 @@ class _Relay:
 
     # -- writes ---------------------------------------------------------------------------------------
 
-    def _write_row(self, request_id: str, stream: _Stream, row: RelayRow, now: float) -> None:
+    def _write_row(self, request_id: str, stream: _Stream, row: TextRow, now: float) -> None:
         _, text, token_ids, finish_reason, finished, error = row
         if stream.done is not None:
             return  # the client is gone: the rest is dropped

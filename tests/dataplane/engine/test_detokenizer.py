@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer
+from modelfleet.dataplane.engine.detokenizer import IncrementalDetokenizer, StreamDecoder, stream_backend
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,36 @@ def test_a_request_ending_inside_a_character_flushes_its_bytes(tokenizer, window
     deltas = feed(IncrementalDetokenizer(tokenizer, tokenizer.encode("x"), []), cut)
     text = "".join(d for d, _ in deltas)
     assert text == tokenizer.decode(cut) and text.startswith(" ok ") and text.endswith("\ufffd")
+
+
+def test_a_stream_handed_over_anywhere_decodes_on_elsewhere_to_the_same_text(tokenizer):
+    """A stream relay goes on decoding from a handover: at every split, even inside a character, the
+    text out of both ends is the engine's own, with the tokenizer's JSON alone on the far side."""
+    from tokenizers import Tokenizer
+
+    prompt = tokenizer.encode("x")
+    output = tokenizer.encode(" naïve 😀 é, then more words!", add_special_tokens=False)
+    whole = "".join(d for d, _ in feed(IncrementalDetokenizer(tokenizer, prompt, []), output))
+    assert whole == tokenizer.decode(output, skip_special_tokens=True)
+    backend = Tokenizer.from_str(stream_backend(tokenizer).to_str())  # what a relay rebuilds
+    splits_inside_a_character = 0
+    for split in range(1, len(output)):
+        here = IncrementalDetokenizer(tokenizer, prompt, [])
+        text = "".join(here.add_tokens([t], finished=False)[0] for t in output[:split])
+        handover = here.handover(prompt + output[:split])
+        assert handover is not None and len(handover.context) <= 5
+        splits_inside_a_character += bool(handover.held)
+        there = StreamDecoder(backend, handover.context, handover.held)
+        text += "".join(
+            there.add([t], flush=i == len(output) - 1) for i, t in enumerate(output) if i >= split
+        )
+        assert text == whole, split
+    assert splits_inside_a_character  # the emoji's bytes span tokens: some splits fall inside it
+
+
+def test_text_with_stop_strings_or_without_a_stream_decoder_stays(tokenizer, monkeypatch):
+    prompt = tokenizer.encode("x")
+    assert IncrementalDetokenizer(tokenizer, prompt, ["STOP"]).handover(prompt) is None
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", None)  # the window decoder
+    assert stream_backend(tokenizer) is None
+    assert IncrementalDetokenizer(tokenizer, prompt, []).handover(prompt) is None

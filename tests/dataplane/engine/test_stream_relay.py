@@ -241,3 +241,53 @@ def test_a_stream_dropped_before_its_rows_is_forgotten_whether_they_come_or_not(
     monkeypatch.setattr(stream_relay, "DROP_MEMORY", -1.0)
     relay._expire_unseen_drops()
     assert relay.unseen_drops == {}
+
+
+class Recorded:
+    """A pipe end that keeps what is sent through it (None: sent nowhere)."""
+
+    def __init__(self, conn=None) -> None:
+        self.conn, self.sent = conn, []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+        if self.conn is not None:
+            self.conn.send(message)
+
+
+def test_an_engine_hands_a_streams_text_to_its_relay_which_writes_the_same_text(tiny_model_dir, relay):
+    """The engine and a relay together, as an engine process routes them: after the first output (the
+    server's), the engine sends tokens alone, and the relay decodes and writes the text the engine
+    would have sent."""
+    from modelfleet.dataplane.config import EngineConfig
+    from modelfleet.dataplane.engine.engine_process import OutputRoutes
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+    from modelfleet.dataplane.engine.messages import Outputs
+    from modelfleet.dataplane.sampling_params import SamplingParams
+
+    config = EngineConfig.from_kwargs(
+        tiny_model_dir, device="cpu", dtype="float32", max_model_len=128, kv_cache_bytes=1 << 22
+    )
+    engine = LLMEngine(config)
+    server, to_relay = Recorded(), Recorded(relay.engine)
+    routes = OutputRoutes(server, [to_relay])
+    routes.share_tokenizer(engine.stream_tokenizer(), engine.release_text)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind="delta")
+    engine.add_request("r1", engine.tokenizer.encode("Once upon a time"), params)
+    routes.add("r1", 1)
+    server_side, client_side = client_pair()
+    while engine.has_unfinished_requests():
+        routes.send(engine.step(), engine.stats())
+    firsts = [o for message in server.sent if isinstance(message, Outputs) for o in message.outputs]
+    assert len(firsts) == 1 and firsts[0].new_token_ids and not firsts[0].finished
+    relay.hand_off("r1", server_side)
+    rows = [row for message in to_relay.sent[1:] for row in message.rows]
+    assert all(text is None for _, text, *_ in rows)  # no text decoded in the engine after its first output
+    assert list(to_relay.sent[1].handovers) == ["r1"] and not any(m.handovers for m in to_relay.sent[2:])
+    events = read_events(client_side, len(rows))
+    done = relay.reply()
+    assert isinstance(done, RelayDone) and done.finish_reason == "length"
+    tokens = firsts[0].new_token_ids + [t for r in rows for t in r[2]]
+    assert len(tokens) == 40
+    text = firsts[0].new_text + "".join(e["choices"][0]["text"] for e in events)
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
