@@ -458,6 +458,11 @@ class LLMEngine(PromptChecks):
         is not streamed and has not finished."""
         seq = state.seq
         finished = seq.status is SequenceStatus.FINISHED
+        if state.detokenizer is None:  # its text is decoded where it is written: the new tokens alone
+            output = self._make_output(state, seq.output_token_ids[state.num_reported_tokens :], "")
+            if finished:
+                del self._requests[seq.request_id]
+            return output
         if not (state.detokenize_each_step or finished):
             return None
         if self._detokenize(state, finished):

@@ -255,20 +255,25 @@ class Recorded:
             self.conn.send(message)
 
 
+def cpu_engine(model_dir):
+    from modelfleet.dataplane.config import EngineConfig
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model_dir, device="cpu", dtype="float32", max_model_len=128, kv_cache_bytes=1 << 22
+    )
+    return LLMEngine(config)
+
+
 def test_an_engine_hands_a_streams_text_to_its_relay_which_writes_the_same_text(tiny_model_dir, relay):
     """The engine and a relay together, as an engine process routes them: after the first output (the
     server's), the engine sends tokens alone, and the relay decodes and writes the text the engine
     would have sent."""
-    from modelfleet.dataplane.config import EngineConfig
     from modelfleet.dataplane.engine.engine_process import OutputRoutes
-    from modelfleet.dataplane.engine.llm_engine import LLMEngine
     from modelfleet.dataplane.engine.messages import Outputs
     from modelfleet.dataplane.sampling_params import SamplingParams
 
-    config = EngineConfig.from_kwargs(
-        tiny_model_dir, device="cpu", dtype="float32", max_model_len=128, kv_cache_bytes=1 << 22
-    )
-    engine = LLMEngine(config)
+    engine = cpu_engine(tiny_model_dir)
     server, to_relay = Recorded(), Recorded(relay.engine)
     routes = OutputRoutes(server, [to_relay])
     routes.share_tokenizer(engine.stream_tokenizer(), engine.release_text)
@@ -291,3 +296,25 @@ def test_an_engine_hands_a_streams_text_to_its_relay_which_writes_the_same_text(
     assert len(tokens) == 40
     text = firsts[0].new_text + "".join(e["choices"][0]["text"] for e in events)
     assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_text_that_must_stay_in_the_engine_is_not_released(tiny_model_dir):
+    """Stop strings need the text each step, and a cumulative output carries all of it: both stay. A
+    released request's outputs, its abort's too, carry its tokens and no text."""
+    from modelfleet.dataplane.sampling_params import SamplingParams
+
+    engine = cpu_engine(tiny_model_dir)
+    delta = dict(max_tokens=30, temperature=0.0, ignore_eos=True, output_kind="delta")
+    engine.add_request("stop", [5, 6, 7], SamplingParams(stop=["zz"], **delta))
+    engine.add_request("cumulative", [5, 6, 7], SamplingParams(**{**delta, "output_kind": "cumulative"}))
+    engine.add_request("released", [5, 6, 7], SamplingParams(**delta))
+    while not engine._requests["released"].seq.output_token_ids:
+        engine.step()
+    assert engine.release_text("stop") is None and engine.release_text("cumulative") is None
+    assert engine.release_text("unknown") is None
+    assert engine.release_text("released") is not None
+    assert engine.release_text("released") is None  # once
+    outputs = [o for _ in range(3) for o in engine.step() if o.request_id == "released"]
+    aborted = engine.abort("released")
+    assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
+    assert all(o.new_token_ids and o.new_text == "" for o in outputs) and aborted.new_text == ""
