@@ -152,6 +152,7 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             self._stop_relays()
             raise EngineProcessError(f"the engine process could not start: {ready.message}")
         self._limits = ready.limits
+        self.text_in_relays = ready.text_in_relays  # its relays decode the text of the streams they write
         self.max_model_len: int = ready.limits.max_model_len
         self.vocab_size: int = ready.limits.vocab_size
         self._stats: EngineStats = ready.stats
@@ -379,7 +380,7 @@ def run_engine_process(conn: Connection, to_relays: list[Connection], config: En
     limits = EngineLimits(config.max_num_seqs, engine.max_model_len, engine.model_config.vocab_size)
     routes = OutputRoutes(locked, to_relays)
     routes.share_tokenizer(engine.stream_tokenizer(), engine.release_text)
-    locked.send(Ready(limits, engine.stats()))
+    locked.send(Ready(limits, engine.stats(), routes.text_in_relays))
     with contextlib.suppress(EOFError, OSError):  # the parent is gone
         _serve(locked, engine, routes)
     engine.close()

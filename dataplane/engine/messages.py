@@ -47,6 +47,7 @@ Command = Add | Abort | Close
 class Ready:
     limits: EngineLimits
     stats: EngineStats
+    text_in_relays: bool = False  # whether its stream relays decode relayed requests' text
 
 
 @dataclass(frozen=True, slots=True)

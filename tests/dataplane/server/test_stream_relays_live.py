@@ -42,7 +42,7 @@ def generated_tokens(server: LiveServer) -> float:
 
 def test_a_relayed_stream_is_what_the_server_would_write(server: LiveServer):
     engine = server.engine("tiny", "v1")
-    assert engine.stream_relays == 2
+    assert engine.stream_relays == 2 and engine.text_in_relays  # the relays decode the text they write
     whole = openai_client(server).completions.create(**BODY)
     before, tokens_before = engine.streams_handed_off, generated_tokens(server)
     chunks = list(
