@@ -503,7 +503,13 @@ class LLMEngine(PromptChecks):
         """The tokenizer (its JSON) that decodes a streamed request's text outside the engine exactly as
         the engine would (detokenizer.StreamDecoder), or None where only the engine can."""
         backend = stream_backend(self.tokenizer)
-        return None if backend is None else backend.to_str()
+        if backend is None:
+            return None
+        try:
+            return backend.to_str()
+        except Exception:  # a component written in Python (a custom pre-tokenizer) has no JSON
+            logger.warning("the tokenizer cannot be serialized: the engine decodes every stream's text")
+            return None
 
     def release_text(self, request_id: str) -> Handover | None:
         """Stops decoding the text of a streamed delta request whose later outputs are decoded where

@@ -318,3 +318,16 @@ def test_text_that_must_stay_in_the_engine_is_not_released(tiny_model_dir):
     aborted = engine.abort("released")
     assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
     assert all(o.new_token_ids and o.new_text == "" for o in outputs) and aborted.new_text == ""
+
+
+def test_a_tokenizer_without_json_keeps_the_text_in_the_engine(tiny_model_dir, monkeypatch):
+    from modelfleet.dataplane.engine import llm_engine
+
+    class PythonComponents:
+        def to_str(self) -> str:
+            raise Exception("Custom PreTokenizer cannot be serialized")
+
+    engine = cpu_engine(tiny_model_dir)
+    assert engine.stream_tokenizer() is not None
+    monkeypatch.setattr(llm_engine, "stream_backend", lambda tokenizer: PythonComponents())
+    assert engine.stream_tokenizer() is None
