@@ -331,3 +331,29 @@ def test_a_tokenizer_without_json_keeps_the_text_in_the_engine(tiny_model_dir, m
     assert engine.stream_tokenizer() is not None
     monkeypatch.setattr(llm_engine, "stream_backend", lambda tokenizer: PythonComponents())
     assert engine.stream_tokenizer() is None
+
+
+def test_a_stream_taken_back_gets_the_text_its_relay_decoded(tiny_model_dir, relay):
+    """Rows without text forwarded to the server (the socket was busy at the handoff) carry the text
+    the relay decoded, from the handover on."""
+    from modelfleet.dataplane.engine.detokenizer import Handover
+    from modelfleet.dataplane.engine.stream_relay import RelayTokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tokenizer.encode("Once upon a time, naïve 😀 words", add_special_tokens=False)
+    relay.engine.send(RelayTokenizer(tokenizer.backend_tokenizer.to_str()))
+    first, rest = ids[:3], ids[3:]
+    handover = Handover(first, [])
+    relay.engine.send(RelayRows([("r1", None, [rest[0]], None, False, None)], {"r1": handover}))
+    relay.rows(*[("r1", None, [t], None, False, None) for t in rest[1:-1]])
+    relay.rows(("r1", None, [rest[-1]], "length", True, None))
+    relay.server.send(Handoff("r1", None))
+    forwarded = []
+    while not forwarded or not forwarded[-1][4]:
+        message = relay.reply()
+        assert isinstance(message, Forwarded)
+        forwarded += message.rows
+    assert [t for r in forwarded for t in r[2]] == rest
+    text = tokenizer.decode(first) + "".join(r[1] for r in forwarded)
+    assert text == tokenizer.decode(ids)
