@@ -397,8 +397,8 @@ class OutputRoutes:
         self._relayed: dict[str, int] = {}  # the others, until their last output
         self._dead: set[int] = set()
         self._release_text: Callable[[str], Handover | None] | None = None
-        self._decoded_there: set[str] = set()  # relayed requests whose rows carry no text
-        self._handovers: dict[str, Handover] = {}  # theirs, until their first row goes out
+        # Relayed requests whose rows carry no text, with their handover until their first row goes out.
+        self._decoded_there: dict[str, Handover | None] = {}
 
     @property
     def text_in_relays(self) -> bool:
@@ -455,11 +455,13 @@ class OutputRoutes:
             text: str | None = output.new_text
             if request_id in self._decoded_there:
                 text = None
-                if request_id in self._handovers:
-                    handovers.setdefault(relay, {})[request_id] = self._handovers.pop(request_id)
+                handover = self._decoded_there[request_id]
+                if handover is not None:
+                    handovers.setdefault(relay, {})[request_id] = handover
+                    self._decoded_there[request_id] = None
             if output.finished:
                 del self._relayed[request_id]
-                self._decoded_there.discard(request_id)
+                self._decoded_there.pop(request_id, None)
             row = (
                 request_id,
                 text,
@@ -483,8 +485,7 @@ class OutputRoutes:
             return
         handover = self._release_text(request_id)
         if handover is not None:
-            self._decoded_there.add(request_id)
-            self._handovers[request_id] = handover
+            self._decoded_there[request_id] = handover
 
 
 class _LockedConnection:

@@ -458,21 +458,17 @@ class LLMEngine(PromptChecks):
         is not streamed and has not finished."""
         seq = state.seq
         finished = seq.status is SequenceStatus.FINISHED
-        if state.detokenizer is None:  # its text is decoded where it is written: the new tokens alone
-            output = self._make_output(state, seq.output_token_ids[state.num_reported_tokens :], "")
-            if finished:
-                del self._requests[seq.request_id]
-            return output
-        if not (state.detokenize_each_step or finished):
-            return None
-        if self._detokenize(state, finished):
-            if finished:
-                seq.finish_reason = "stop"  # the stop string came with the last allowed token
-            else:
-                self.scheduler.finish(seq.request_id, "stop")
-                finished = True
-        if not (state.stream or finished):
-            return None
+        if state.detokenizer is not None:  # else its text is decoded where it is written (release_text)
+            if not (state.detokenize_each_step or finished):
+                return None
+            if self._detokenize(state, finished):
+                if finished:
+                    seq.finish_reason = "stop"  # the stop string came with the last allowed token
+                else:
+                    self.scheduler.finish(seq.request_id, "stop")
+                    finished = True
+            if not (state.stream or finished):
+                return None
         output = self._take_output(state)
         if finished:
             del self._requests[seq.request_id]
@@ -481,8 +477,7 @@ class LLMEngine(PromptChecks):
     def _detokenize(self, state: _RequestState, finished: bool) -> bool:
         """Feeds the tokens not yet detokenized; whether a stop string was found."""
         detokenizer = state.detokenizer
-        if detokenizer is None:  # decoded elsewhere: outputs carry the tokens alone
-            return False
+        assert detokenizer is not None  # its callers skip a request whose text is decoded elsewhere
         output_token_ids = state.seq.output_token_ids
         new_token_ids = output_token_ids[state.num_detokenized :]
         state.num_detokenized = len(output_token_ids)
@@ -492,8 +487,9 @@ class LLMEngine(PromptChecks):
 
     def _take_output(self, state: _RequestState) -> RequestOutput:
         """The output carrying everything since the previous one. A request that was not detokenized
-        every step catches up first, as far as a streamed one would have got."""
-        if state.num_detokenized < state.seq.num_output_tokens:
+        every step catches up first, as far as a streamed one would have got; one whose text is decoded
+        elsewhere carries its tokens alone."""
+        if state.detokenizer is not None and state.num_detokenized < state.seq.num_output_tokens:
             self._detokenize(state, finished=False)
         new_text, state.pending_text = state.pending_text, ""
         # A slice: a fresh list that no later step changes.
