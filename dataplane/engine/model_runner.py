@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from modelfleet.dataplane.config import EngineConfig
+from modelfleet.dataplane.engine.device_copy import to_device
 from modelfleet.dataplane.engine.sampler import PendingSample, SampledBatch, Sampler
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 
@@ -401,7 +402,7 @@ class ModelRunner:
         _, use_graph, inputs, max_query_len, logit_rows = message
         hidden = self._forward(use_graph, inputs, max_query_len)
         if logit_rows is not None:
-            index = torch.from_numpy(logit_rows).to(self.device, non_blocking=True)
+            index = to_device(logit_rows, self.device)
             self.model.compute_logits(hidden[index], float32=False)
 
     def _forward(self, use_graph: bool, inputs: StepInputs, max_query_len: int) -> torch.Tensor:
@@ -427,27 +428,22 @@ class ModelRunner:
         from modelfleet.dataplane.attention import AttentionMetadata
 
         device = self.device
-
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            # From pageable memory a non-blocking copy is staged at once, without waiting for the device.
-            return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
-
         metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc=to_device(cu_query.astype(np.int32)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
-            block_tables=to_device(block_tables),
+            slot_mapping=to_device(slot_mapping, device),
+            query_start_loc=to_device(cu_query.astype(np.int32), device),
+            seq_lens=to_device(seq_lens.astype(np.int32), device),
+            block_tables=to_device(block_tables, device),
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
         )
-        ids = to_device(input_ids)
+        ids = to_device(input_ids, device)
         if (src_rows >= 0).any():
             from modelfleet.dataplane.kernels.cuda_graphs import take_inflight_ids
 
-            ids = take_inflight_ids(ids, to_device(src_rows), self.sampled_ids)
+            ids = take_inflight_ids(ids, to_device(src_rows, device), self.sampled_ids)
             if self.tp is not None:  # only rank 0 sampled them
                 self.tp.broadcast(ids)
-        return self.model(ids, to_device(positions), self.kv_caches, metadata)
+        return self.model(ids, to_device(positions, device), self.kv_caches, metadata)
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, cu_query: np.ndarray) -> LaunchedStep:
         """Logits of each sampling sequence's last token, then the sampler. `hidden` may live in graph
@@ -460,8 +456,7 @@ class ModelRunner:
         if len(sampling_rows) == num_seqs and hidden.shape[0] == num_seqs:
             last_hidden = hidden  # decode: every row is its sequence's last token
         else:
-            index = torch.from_numpy(cu_query[1:][sampling_rows] - 1)
-            last_hidden = hidden[index.to(self.device, non_blocking=True)]
+            last_hidden = hidden[to_device(cu_query[1:][sampling_rows] - 1, self.device)]
         sampler = self.sampler
         if sampler is None:
             raise RuntimeError("only the first tensor-parallel rank samples")

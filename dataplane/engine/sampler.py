@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from modelfleet.dataplane.engine.device_copy import to_device
 from modelfleet.dataplane.engine.sequence import Sequence
 from modelfleet.dataplane.engine.structured import BegunMasks, GrammarMasks, fill_threads
 from modelfleet.dataplane.sampling_params import SamplingParams
@@ -224,10 +225,7 @@ class Sampler:
     def _fused_inputs(self, seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused sampler's temperatures and seeds (fused_parameters), on the device."""
         temperature, seeds = self.fused_parameters(seqs)
-        return (
-            torch.from_numpy(temperature).to(device, non_blocking=True),
-            torch.from_numpy(seeds).to(device, non_blocking=True),
-        )
+        return to_device(temperature, device), to_device(seeds, device)
 
     def fused_parameters(self, seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
         """The fused sampler's temperatures (float32, 0 for greedy) and seeds (int64), on the host. Read

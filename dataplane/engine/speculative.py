@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from modelfleet.dataplane.engine.device_copy import to_device
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.model_runner import ModelRunner
@@ -354,18 +355,16 @@ def run_model(
     """One eager forward over a flat batch; the hidden states of every token."""
     from modelfleet.dataplane.attention import AttentionMetadata
 
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
-
     metadata = AttentionMetadata(
-        slot_mapping=to_device(inputs.slot_mapping),
-        query_start_loc=to_device(inputs.cu_query.astype(np.int32)),
-        seq_lens=to_device(inputs.seq_lens.astype(np.int32)),
-        block_tables=to_device(inputs.block_tables),
+        slot_mapping=to_device(inputs.slot_mapping, device),
+        query_start_loc=to_device(inputs.cu_query.astype(np.int32), device),
+        seq_lens=to_device(inputs.seq_lens.astype(np.int32), device),
+        block_tables=to_device(inputs.block_tables, device),
         max_query_len=inputs.max_query_len,
         max_seq_len=int(inputs.seq_lens.max()),
     )
-    return model(to_device(inputs.input_ids), to_device(inputs.positions), kv_caches, metadata)
+    ids, positions = to_device(inputs.input_ids, device), to_device(inputs.positions, device)
+    return model(ids, positions, kv_caches, metadata)
 
 
 @dataclass

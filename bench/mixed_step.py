@@ -1,0 +1,139 @@
+"""What admitting prompts into a running decode batch costs the engine, per step, on a GPU.
+
+N sequences decode steadily (EOS ignored); then, for each k, every `--every`-th step admits k new
+128-token prompts (as many of the oldest sequences are aborted, so N stay running): the steady pattern
+of a server whose requests arrive one by one and are held `--every - 1` pure-decode steps. Each case
+reports the wall milliseconds per step over the window (the engine launches a step before it reads the
+last one's tokens, so this is the rate it sustains) and the host milliseconds spent launching the steps
+that carry prompts (ModelRunner's eager forward) against those that replay decode graphs. k = 0 (pure
+decodes) is the baseline of the same run.
+
+    python bench/mixed_step.py --preset llama-3.2-1b --num-seqs 256 --admit 0 2 4 8 16 --every 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from throughput import build_preset
+
+
+class _LaunchClock:
+    """Host time of each ModelRunner.launch, split by whether the step ran eagerly (had prompts)."""
+
+    def __init__(self, runner) -> None:
+        self.eager: list[float] = []
+        self.graphed: list[float] = []
+        launch = runner.launch
+
+        def timed(batch, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return launch(batch, *args, **kwargs)
+            finally:
+                pure = all(item.num_new_tokens == 1 for item in batch.scheduled)
+                (self.graphed if pure else self.eager).append(time.perf_counter() - started)
+
+        runner.launch = timed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=["llama-3.2-1b", "llama-3.1-8b"], default="llama-3.2-1b")
+    parser.add_argument("--demo-dir", type=Path, default=Path(".modelfleet/bench"))
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--admit", type=int, nargs="+", default=[0, 2, 4, 8, 16])
+    parser.add_argument("--every", type=int, default=5, help="one admitting step in this many")
+    parser.add_argument("--steps", type=int, default=100, help="steps timed per case")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--model", type=Path, help="a checkpoint instead of the preset (a CPU smoke run)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and args.model is None:
+        raise SystemExit("error: the preset is timed on a GPU; no CUDA device here (--model for a CPU run)")
+
+    from modelfleet.dataplane.engine.llm_engine import LLMEngine
+    from modelfleet.dataplane.sampling_params import SamplingParams
+
+    model_dir = str(args.model or build_preset(args.preset, args.demo_dir / args.preset, "cuda"))
+    settings = {key: json.loads(value) for key, _, value in (p.partition("=") for p in args.engine)}
+    engine = LLMEngine.from_kwargs(
+        model_dir,
+        max_num_seqs=args.num_seqs + max(args.admit),
+        prefill_wait_steps=0,  # this bench decides when prompts come in
+        **{"max_model_len": 2048, **settings},
+    )
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = _LaunchClock(engine.runner)
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=1800, ignore_eos=True, temperature=0.0, output_kind="delta")
+    ids = iter(range(1 << 30))
+    running: list[str] = []
+
+    def add(n: int) -> None:
+        for _ in range(n):
+            request_id = f"r{next(ids)}"
+            engine.add_request(request_id, rng.integers(16, vocab, size=args.prompt_len).tolist(), params)
+            running.append(request_id)
+
+    add(args.num_seqs)
+    for _ in range(64):  # every prompt in, CUDA graphs warm
+        engine.step()
+    cases = []
+    for k in args.admit:
+        for _ in range(3 * args.every):  # the last case's prompts through
+            engine.step()
+        clock.eager.clear()
+        clock.graphed.clear()
+        sync()
+        started = time.perf_counter()
+        for step in range(args.steps):
+            if k and step % args.every == 0:
+                for request_id in running[:k]:
+                    engine.abort(request_id)
+                del running[:k]
+                add(k)
+            engine.step()
+        sync()
+        elapsed = time.perf_counter() - started
+        cases.append(
+            {
+                "admitted_per_step": k,
+                "ms_per_step": round(1e3 * elapsed / args.steps, 3),
+                "launch_ms_eager": round(1e3 * statistics.median(clock.eager), 3) if clock.eager else None,
+                "launch_ms_graphed": round(1e3 * statistics.median(clock.graphed), 3)
+                if clock.graphed
+                else None,
+                "eager_steps": len(clock.eager),
+            }
+        )
+    pure = cases[0]["ms_per_step"] if cases[0]["admitted_per_step"] == 0 else None
+    print(
+        json.dumps(
+            {
+                "bench": "mixed_step",
+                "model": str(args.model) if args.model else args.preset,
+                "device": torch.cuda.get_device_name() if cuda else "cpu",
+                "num_seqs": args.num_seqs,
+                "prompt_len": args.prompt_len,
+                "every": args.every,
+                "engine": settings,
+                "cases": cases,
+                "vs_pure_decode": [round(c["ms_per_step"] / pure, 3) for c in cases] if pure else None,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
