@@ -26,22 +26,36 @@ from throughput import build_preset
 
 
 class _LaunchClock:
-    """Host time of each ModelRunner.launch, split by whether the step ran eagerly (had prompts)."""
+    """Host time of each ModelRunner.launch, split by whether the step ran eagerly (had prompts). With
+    `drain`, each launch starts on an idle device and the time the device then takes to finish it is
+    kept too (host-bound: about nothing; device-bound: most of the step)."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, drain: bool) -> None:
         self.eager: list[float] = []
         self.graphed: list[float] = []
+        self.eager_drain: list[float] = []
+        self.graphed_drain: list[float] = []
         launch = runner.launch
 
         def timed(batch, *args, **kwargs):
+            if drain:
+                torch.cuda.synchronize()
             started = time.perf_counter()
             try:
                 return launch(batch, *args, **kwargs)
             finally:
+                launched = time.perf_counter()
                 pure = all(item.num_new_tokens == 1 for item in batch.scheduled)
-                (self.graphed if pure else self.eager).append(time.perf_counter() - started)
+                (self.graphed if pure else self.eager).append(launched - started)
+                if drain:
+                    torch.cuda.synchronize()
+                    (self.graphed_drain if pure else self.eager_drain).append(time.perf_counter() - launched)
 
         runner.launch = timed
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return round(1e3 * statistics.median(seconds), 3) if seconds else None
 
 
 def main() -> int:
@@ -54,6 +68,12 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=5, help="one admitting step in this many")
     parser.add_argument("--steps", type=int, default=100, help="steps timed per case")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--drain",
+        action="store_true",
+        help="also time how long the device takes to finish each launch, started idle (steps then do not "
+        "overlap: the per-step rate is not the engine's)",
+    )
     parser.add_argument("--model", type=Path, help="a checkpoint instead of the preset (a CPU smoke run)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -72,7 +92,9 @@ def main() -> int:
         **{"max_model_len": 2048, **settings},
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    clock = _LaunchClock(engine.runner)
+    if args.drain and not cuda:
+        parser.error("--drain: needs a CUDA device")
+    clock = _LaunchClock(engine.runner, args.drain)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=1800, ignore_eos=True, temperature=0.0, output_kind="delta")
@@ -92,8 +114,8 @@ def main() -> int:
     for k in args.admit:
         for _ in range(3 * args.every):  # the last case's prompts through
             engine.step()
-        clock.eager.clear()
-        clock.graphed.clear()
+        for kept in (clock.eager, clock.graphed, clock.eager_drain, clock.graphed_drain):
+            kept.clear()
         sync()
         started = time.perf_counter()
         for step in range(args.steps):
@@ -109,11 +131,17 @@ def main() -> int:
             {
                 "admitted_per_step": k,
                 "ms_per_step": round(1e3 * elapsed / args.steps, 3),
-                "launch_ms_eager": round(1e3 * statistics.median(clock.eager), 3) if clock.eager else None,
-                "launch_ms_graphed": round(1e3 * statistics.median(clock.graphed), 3)
-                if clock.graphed
-                else None,
+                "launch_ms_eager": _median_ms(clock.eager),
+                "launch_ms_graphed": _median_ms(clock.graphed),
                 "eager_steps": len(clock.eager),
+                **(
+                    {
+                        "drain_ms_eager": _median_ms(clock.eager_drain),
+                        "drain_ms_graphed": _median_ms(clock.graphed_drain),
+                    }
+                    if args.drain
+                    else {}
+                ),
             }
         )
     pure = cases[0]["ms_per_step"] if cases[0]["admitted_per_step"] == 0 else None
