@@ -11,7 +11,16 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # here, not in attention/kv_quant.py: this mo
 # Decode steps a waiting request waits at most for others to join it, where decode steps replay CUDA
 # graphs (EngineConfig.prefill_wait_steps). On an H100 with a 1B model at 256 streams of 128 tokens two
 # requests arrive per step: unheld, nearly every step ran eagerly.
-PREFILL_WAIT_STEPS = 4
+PREFILL_WAIT_STEPS = 8
+# A step's token budget (prefill chunks plus decodes) by default (EngineConfig.max_num_batched_tokens).
+# Where decode steps replay CUDA graphs, a step with prompts in it runs eagerly, and its launch is what it
+# costs: ~9-10 ms of host time on an H200 host for the 1B preset whether it carries 2 prompts or 8, and
+# 32 decodes or 512, the device done within 0.1 ms of it (bench/mixed_step.py --drain). There the budget
+# grows with the sequence slots (requests arrive in proportion to those running), so that one such step
+# admits what the held steps gathered rather than a few steps in a row each admitting part of it.
+TOKEN_BUDGET = 2048
+GRAPHED_TOKENS_PER_SEQ = 16
+GRAPHED_TOKEN_BUDGET_MAX = 8192
 
 
 @dataclass
@@ -20,8 +29,8 @@ class EngineConfig:
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    # Token budget of one step (prefill chunks plus decodes).
-    max_num_batched_tokens: int = 2048
+    # Token budget of one step (prefill chunks plus decodes). None: token_budget's default.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     # KV-cache budget on the CPU, in bytes.
     kv_cache_bytes: int = 1 << 30
@@ -65,7 +74,8 @@ class EngineConfig:
                 f"model: {self.model!r} is not a directory; pass a Hugging Face checkpoint folder"
             )
         _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("block_size", self.block_size)
         _positive_int("kv_cache_bytes", self.kv_cache_bytes)
         if isinstance(self.host_kv_cache_bytes, bool) or not isinstance(self.host_kv_cache_bytes, int):
@@ -95,7 +105,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
+        ):
             check_prefill_fits(self.max_num_batched_tokens, self.max_model_len)
         if self.prefill_wait_steps is not None and (
             isinstance(self.prefill_wait_steps, bool)
@@ -116,6 +130,20 @@ class EngineConfig:
                 f"{unknown[0]}: not an engine setting; known settings: {', '.join(sorted(known))}"
             )
         return cls(model=str(model), **kwargs)
+
+
+def token_budget(
+    configured: int | None, max_num_seqs: int, decode_graphs: bool, whole_prompt: int = 0
+) -> int:
+    """A step's token budget: the configured one, or TOKEN_BUDGET, raised where decode steps replay CUDA
+    graphs to GRAPHED_TOKENS_PER_SEQ per sequence slot (at most GRAPHED_TOKEN_BUDGET_MAX), and to
+    `whole_prompt` tokens (the longest prompt, where prompts are not split into chunks)."""
+    if configured is not None:
+        return configured
+    budget = TOKEN_BUDGET
+    if decode_graphs:
+        budget = min(max(budget, GRAPHED_TOKENS_PER_SEQ * max_num_seqs), GRAPHED_TOKEN_BUDGET_MAX)
+    return max(budget, whole_prompt)
 
 
 def check_prefill_fits(max_num_batched_tokens: int, max_model_len: int) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from modelfleet.dataplane.config import PREFILL_WAIT_STEPS, EngineConfig, check_prefill_fits
+from modelfleet.dataplane.config import PREFILL_WAIT_STEPS, EngineConfig, check_prefill_fits, token_budget
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import Handover, IncrementalDetokenizer, stream_backend
 from modelfleet.dataplane.engine.host_kv import HostTier
@@ -133,8 +133,8 @@ class LLMEngine(PromptChecks):
                 f"max_model_len: {config.max_model_len} exceeds the model's maximum length {model_max}"
             )
         max_model_len = config.max_model_len or model_max
-        if not config.enable_chunked_prefill:
-            check_prefill_fits(config.max_num_batched_tokens, max_model_len)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens is not None:
+            check_prefill_fits(config.max_num_batched_tokens, max_model_len)  # before the model loads
 
         self.tokenizer = load_tokenizer(AutoTokenizer, config.model)
         # Encoding from several threads at once trips the fast tokenizer's internal borrow checks.
@@ -153,6 +153,11 @@ class LLMEngine(PromptChecks):
             )
             max_model_len = cache_tokens
         self.max_model_len = max_model_len
+        decode_graphs = getattr(self.runner, "decode_graphs", None) is not None
+        whole_prompt = 0 if config.enable_chunked_prefill else max_model_len
+        self.max_num_batched_tokens = token_budget(
+            config.max_num_batched_tokens, config.max_num_seqs, decode_graphs, whole_prompt
+        )
         eos = set(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -178,7 +183,7 @@ class LLMEngine(PromptChecks):
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             num_speculative_tokens=num_speculative_tokens,
@@ -215,7 +220,7 @@ class LLMEngine(PromptChecks):
         kernels are compiled and libraries have chosen their algorithms before the first real request,
         rather than during it. Then forgets them: no cached prefix, no statistics."""
         vocab = self.model_config.vocab_size
-        longest = min(self.config.max_num_batched_tokens + 37, self.max_model_len - 4)
+        longest = min(self.max_num_batched_tokens + 37, self.max_model_len - 4)
         lengths = sorted({max(longest, 1), min(5, longest), min(64, longest)}, reverse=True)
         for i, length in enumerate(lengths):
             prompt = [(j * 7919 + i) % vocab for j in range(length)]

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from modelfleet.dataplane import LLM, EngineConfig, SamplingParams
-from modelfleet.dataplane.config import PREFILL_WAIT_STEPS
+from modelfleet.dataplane.config import (
+    GRAPHED_TOKEN_BUDGET_MAX,
+    PREFILL_WAIT_STEPS,
+    TOKEN_BUDGET,
+    token_budget,
+)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -214,7 +219,12 @@ def test_engine_config_refuses_bad_settings(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^model:"):
         EngineConfig(model=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match=r"^max_num_batched_tokens:"):
-        EngineConfig(model=str(tiny_model_dir), enable_chunked_prefill=False, max_model_len=4096)
+        EngineConfig(
+            model=str(tiny_model_dir),
+            enable_chunked_prefill=False,
+            max_model_len=4096,
+            max_num_batched_tokens=2048,
+        )
     with pytest.raises(ValueError, match=r"^no_such_setting:"):
         LLM(tiny_model_dir, no_such_setting=1)
     with pytest.raises(ValueError, match=r"^max_model_len:"):
@@ -222,6 +232,29 @@ def test_engine_config_refuses_bad_settings(tiny_model_dir, tmp_path):
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match=r"^prefill_wait_steps:"):
             EngineConfig(model=str(tiny_model_dir), prefill_wait_steps=bad)
+
+
+def test_a_steps_token_budget_grows_with_the_sequence_slots_only_where_decodes_replay_cuda_graphs():
+    assert token_budget(None, 512, decode_graphs=False) == TOKEN_BUDGET == 2048
+    assert [token_budget(None, n, decode_graphs=True) for n in (16, 64, 128, 256, 512, 4096)] == [
+        2048, 2048, 2048, 4096, 8192, GRAPHED_TOKEN_BUDGET_MAX,
+    ]  # fmt: skip
+    assert token_budget(1000, 512, decode_graphs=True) == 1000  # a configured budget stands as it is
+    # Unchunked prompts must fit whole into a step.
+    assert token_budget(None, 64, decode_graphs=False, whole_prompt=32768) == 32768
+    assert token_budget(None, 512, decode_graphs=True, whole_prompt=4096) == 8192
+
+
+def test_the_engine_schedules_under_its_token_budget(tiny_model_dir):
+    settings = dict(max_model_len=128, kv_cache_bytes=1 << 21, dtype="float32", device="cpu")
+    default = LLM(tiny_model_dir, max_num_seqs=512, **settings).engine
+    assert default.max_num_batched_tokens == default.scheduler.max_num_batched_tokens == 2048  # no graphs
+    engine = LLM(tiny_model_dir, max_num_batched_tokens=96, **settings).engine
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    for i in range(2):
+        engine.add_request(f"r{i}", list(range(20 + i, 84 + i)), params, stream=False)
+    planned = engine.scheduler.schedule()
+    assert [s.num_new_tokens for s in planned.scheduled] == [64, 32]  # the second prompt's first chunk
 
 
 def test_waiting_requests_are_held_by_default_only_where_decodes_replay_cuda_graphs(tiny_model_dir):
@@ -245,6 +278,7 @@ def test_on_a_gpu_decode_graphs_hold_waiting_requests_by_default(tiny_model_dir)
     graphs = LLM(tiny_model_dir, **settings)
     assert graphs.engine.runner.decode_graphs is not None
     assert graphs.engine.scheduler.prefill_wait_steps == PREFILL_WAIT_STEPS
+    assert graphs.engine.scheduler.max_num_batched_tokens == token_budget(None, 64, decode_graphs=True)
     assert arrive_while_decoding(graphs)[0] == PREFILL_WAIT_STEPS + 1
     del graphs  # each engine takes a small share of the GPU's memory: both fit anyway
     eager = LLM(tiny_model_dir, enforce_eager=True, **settings)
