@@ -209,6 +209,21 @@ class Engine(_Model):
         "layer for K and V: about twice the sequences in the same memory, logits within a small tolerance; "
         "GPUs of compute capability >= 8.9 such as L4, H100, H200, emulated on cpu).",
     )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        le=1 << 20,
+        description="Tokens one engine step carries at most, prompt chunks and decodes together; default: 2048, "
+        "and on GPUs 16 per maxNumSeqs between 2048 and 8192. Lower keeps the steps beside long prompts "
+        "short (smaller inter-token gaps); higher admits more prompts in one step.",
+    )
+    prefill_wait_steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="Decode steps a waiting request may be held for others to join it (GPUs: a step with "
+        "prompts in it runs without CUDA graphs); default 8 on GPUs, 0: never held.",
+    )
     speculative: Speculative = Field(default_factory=Speculative)
 
 

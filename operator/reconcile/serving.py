@@ -41,6 +41,10 @@ def engine_settings(spec: InferenceModelSpec, draft_artifact: str | None = None)
         engine["host_kv_cache_bytes"] = spec.engine.host_kv_cache_bytes
     if spec.engine.kv_cache_dtype != "auto":
         engine["kv_cache_dtype"] = spec.engine.kv_cache_dtype
+    if spec.engine.max_num_batched_tokens is not None:
+        engine["max_num_batched_tokens"] = spec.engine.max_num_batched_tokens
+    if spec.engine.prefill_wait_steps is not None:
+        engine["prefill_wait_steps"] = spec.engine.prefill_wait_steps
     if spec.hardware.count > 1:
         # One model split over the pod's devices (it requests that many), or on cpu over that many engine
         # processes (gloo); one device needs no setting.

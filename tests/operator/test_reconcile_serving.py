@@ -7,6 +7,7 @@ import copy
 
 import kubernetes_validate
 import pytest
+from modelfleet.dataplane import LLM
 from modelfleet.dataplane.manifest import ServingManifest
 from modelfleet.operator.api import InferenceModel
 from modelfleet.operator.reconcile import serving
@@ -95,6 +96,23 @@ def test_manifest_serves_the_requested_split_with_the_quantized_artifact(both_re
         "max_model_len": 4096,
     }
     assert all(v.preload for v in model.versions)  # loading.mode: eager
+
+
+def test_the_step_budget_and_held_steps_of_spec_engine_reach_the_engine(both_ready, tiny_model_dir):
+    """spec.engine.maxNumBatchedTokens and prefillWaitSteps, through the serving manifest, set the engine's
+    scheduler; unset, the manifest leaves both to the engine's defaults."""
+    im, mvs = both_ready
+    plan, _ = plan_for(im, mvs)
+    unset = ServingManifest.from_yaml(by_kind(plan)["ConfigMap"]["data"]["manifest.yaml"]).models[0].engine
+    assert "max_num_batched_tokens" not in unset and "prefill_wait_steps" not in unset
+    im = copy.deepcopy(im)
+    im["spec"]["engine"].update(maxNumBatchedTokens=96, prefillWaitSteps=3, maxModelLen=128)
+    plan, _ = plan_for(im, mvs)
+    (model,) = ServingManifest.from_yaml(by_kind(plan)["ConfigMap"]["data"]["manifest.yaml"]).models
+    assert model.engine["max_num_batched_tokens"] == 96 and model.engine["prefill_wait_steps"] == 3
+    engine = LLM(tiny_model_dir, device="cpu", dtype="float32", kv_cache_bytes=1 << 21, **model.engine).engine
+    assert engine.scheduler.max_num_batched_tokens == 96
+    assert engine.scheduler.prefill_wait_steps == 3
 
 
 def test_traffic_change_leaves_the_pod_template_unchanged(both_ready):
