@@ -213,9 +213,9 @@ class Engine(_Model):
         default=None,
         ge=16,
         le=1 << 20,
-        description="Tokens one engine step carries at most, prompt chunks and decodes together; default: 2048, "
-        "and on GPUs 16 per maxNumSeqs between 2048 and 8192. Lower keeps the steps beside long prompts "
-        "short (smaller inter-token gaps); higher admits more prompts in one step.",
+        description="Tokens one engine step carries at most, prompt chunks and decodes together; default: "
+        "2048, and on GPUs 16 per maxNumSeqs between 2048 and 8192. Lower keeps the steps beside long "
+        "prompts short (smaller inter-token gaps); higher admits more prompts in one step.",
     )
     prefill_wait_steps: int | None = Field(
         default=None,
