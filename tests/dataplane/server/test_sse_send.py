@@ -122,3 +122,90 @@ async def test_an_error_after_the_start_ends_the_stream_and_is_not_made_a_500():
         await call(app, "/s", sent=sent)
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
     assert sent[0]["status"] == 200 and [m["body"] for m in sent[1:]] == [b"data: one\n\n", b"data: two\n\n"]
+
+
+def endless_stream_app(produced: list[int]) -> ServerSendApp:
+    app = ServerSendApp()
+
+    async def chunks():
+        for i in range(10_000):
+            produced.append(i)
+            await asyncio.sleep(0.005)
+            yield str(i)
+
+    @app.get("/s")
+    async def stream() -> SseResponse:
+        return SseResponse(None, chunks())
+
+    return app
+
+
+def get_scope() -> Scope:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/s",
+        "raw_path": b"/s",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+
+async def test_a_client_leaving_mid_stream_ends_the_response_quietly():
+    produced: list[int] = []
+    sent: list[Message] = []
+    left = asyncio.Event()
+    requested = False
+
+    async def receive() -> Message:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+        if len(sent) == 4:  # the start and three chunks out: the client goes
+            left.set()
+
+    task = asyncio.ensure_future(endless_stream_app(produced)(get_scope(), receive, send))
+    await asyncio.wait_for(task, timeout=5)  # returns: the disconnect is not an error
+    assert task.cancelling() == 0
+    assert 3 <= len(produced) <= 5  # the body stopped with the client
+    assert all(m.get("more_body", True) for m in sent[1:])  # no [DONE] to a client that left
+
+
+async def test_a_streaming_response_cancelled_by_the_server_stays_cancelled():
+    """A cancellation that is not the client's (the server stopping) propagates as before."""
+    produced: list[int] = []
+    requested = False
+    never = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    task = asyncio.ensure_future(endless_stream_app(produced)(get_scope(), receive, send))
+    while len(produced) < 3:
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stopped_at = len(produced)
+    await asyncio.sleep(0.05)
+    assert len(produced) == stopped_at
