@@ -157,10 +157,8 @@ def get_scope() -> Scope:
     }
 
 
-async def test_a_client_leaving_mid_stream_ends_the_response_quietly():
-    produced: list[int] = []
-    sent: list[Message] = []
-    left = asyncio.Event()
+def client_receive(leaves: asyncio.Event) -> Receive:
+    """A client's receive: its (empty) request, then its disconnect once `leaves` is set."""
     requested = False
 
     async def receive() -> Message:
@@ -168,15 +166,23 @@ async def test_a_client_leaving_mid_stream_ends_the_response_quietly():
         if not requested:
             requested = True
             return {"type": "http.request", "body": b"", "more_body": False}
-        await left.wait()
+        await leaves.wait()
         return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def test_a_client_leaving_mid_stream_ends_the_response_quietly():
+    produced: list[int] = []
+    sent: list[Message] = []
+    left = asyncio.Event()
 
     async def send(message: Message) -> None:
         sent.append(message)
         if len(sent) == 4:  # the start and three chunks out: the client goes
             left.set()
 
-    task = asyncio.ensure_future(endless_stream_app(produced)(get_scope(), receive, send))
+    task = asyncio.ensure_future(endless_stream_app(produced)(get_scope(), client_receive(left), send))
     await asyncio.wait_for(task, timeout=5)  # returns: the disconnect is not an error
     assert task.cancelling() == 0
     assert 3 <= len(produced) <= 5  # the body stopped with the client
@@ -186,21 +192,12 @@ async def test_a_client_leaving_mid_stream_ends_the_response_quietly():
 async def test_a_streaming_response_cancelled_by_the_server_stays_cancelled():
     """A cancellation that is not the client's (the server stopping) propagates as before."""
     produced: list[int] = []
-    requested = False
-    never = asyncio.Event()
-
-    async def receive() -> Message:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        await never.wait()
-        return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
         pass
 
-    task = asyncio.ensure_future(endless_stream_app(produced)(get_scope(), receive, send))
+    app = endless_stream_app(produced)
+    task = asyncio.ensure_future(app(get_scope(), client_receive(asyncio.Event()), send))
     while len(produced) < 3:
         await asyncio.sleep(0.005)
     task.cancel()
