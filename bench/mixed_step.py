@@ -77,6 +77,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="a checkpoint instead of the preset (a CPU smoke run)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
+    if args.drain and not cuda:
+        parser.error("--drain: needs a CUDA device")
     if not cuda and args.model is None:
         raise SystemExit("error: the preset is timed on a GPU; no CUDA device here (--model for a CPU run)")
 
@@ -92,8 +94,6 @@ def main() -> int:
         **{"max_model_len": 2048, **settings},
     )
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if args.drain and not cuda:
-        parser.error("--drain: needs a CUDA device")
     clock = _LaunchClock(engine.runner, args.drain)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
