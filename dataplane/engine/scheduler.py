@@ -10,7 +10,8 @@ slots and blocks last; a waiting request that finds no blocks preempts running o
 With `prefill_wait_steps`, a step of pure decodes admits no waiting request until one has waited that
 many steps: requests that arrive one by one then join together, and the steps between stay pure
 decodes (which the model runner replays as CUDA graphs) instead of each running eagerly. A step that
-preempted lower-priority requests to make room for the first waiting one admits it at once.
+preempted lower-priority requests to make room for the first waiting one admits it at once, and so
+does one whose token budget the waiting requests already fill.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Scheduler:
             budget -= num_new + lookahead
             i += 1
 
-        if self._hold_waiting(out, made_room):
+        if self._hold_waiting(out, made_room, budget):
             return out
 
         # Waiting requests, unless this step already had to free blocks.
@@ -147,20 +148,30 @@ class Scheduler:
 
         return out
 
-    def _hold_waiting(self, out: SchedulerOutput, made_room: bool) -> bool:
+    def _hold_waiting(self, out: SchedulerOutput, made_room: bool, budget: int) -> bool:
         """Whether this step, so far pure decodes, leaves the waiting requests for a later one (at most
         prefill_wait_steps in a row). A step with prompt tokens in it already admits them, and so does
-        one that preempted running requests to make room for the first waiting one (`made_room`)."""
+        one that preempted running requests to make room for the first waiting one (`made_room`), or one
+        whose `budget` left the waiting requests fill already (holding would gather nothing more into it)."""
         if not self.prefill_wait_steps or not self.waiting or made_room:
             self._held_steps = 0
             return False
         pure_decodes = bool(out.scheduled) and all(
             s.num_new_tokens == 1 and not s.num_lookahead for s in out.scheduled
         )
-        if pure_decodes and self._held_steps < self.prefill_wait_steps:
+        if pure_decodes and self._held_steps < self.prefill_wait_steps and not self._waiting_fill(budget):
             self._held_steps += 1
             return True
         self._held_steps = 0
+        return False
+
+    def _waiting_fill(self, budget: int) -> bool:
+        """Whether the waiting requests' prompts fill `budget` tokens. (Free sequence slots are no such
+        bound: requests finishing while the others are held free more of them.)"""
+        for seq in self.waiting:
+            budget -= seq.num_tokens - seq.num_computed_tokens
+            if budget <= 0:
+                return True
         return False
 
     def _lookahead(self, seq: Sequence, num_new: int, budget: int) -> int:

@@ -342,3 +342,15 @@ def test_a_request_that_preempted_others_for_its_blocks_is_not_held():
     assert urgent.status is SequenceStatus.RUNNING
     # The preempted request waits as any other: held while the steps are pure decodes.
     assert plan(step(sched)) == [("high", 7, 1), ("urgent", 4, 1)]
+
+
+def test_waiting_requests_that_fill_the_step_are_not_held():
+    sched = held_scheduler(4)
+    sched.max_num_batched_tokens = 8
+    add(sched, "a", 3)
+    step(sched)
+    add(sched, "b", 3, first=100)
+    assert plan(step(sched)) == [("a", 3, 1)]  # 3 prompt tokens of the 7 left: held
+    add(sched, "c", 4, first=200)
+    # b and c fill the 7 tokens the decode leaves: holding them longer would gather nothing more.
+    assert plan(step(sched)) == [("a", 4, 1), ("b", 0, 3), ("c", 0, 4)]
