@@ -698,12 +698,32 @@ def split_load(url: str, model: str, args, prompts, processes: int) -> tuple[lis
     return results, duration, max(r[3] for r in replies_got) / max(duration, 1e-9)
 
 
+def server_ttft_totals(url: str) -> tuple[float, float] | None:
+    """The server's own time-to-first-token histogram, summed over its labels: (seconds, requests);
+    None where /metrics cannot be read."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+    totals = {"_sum": 0.0, "_count": 0.0}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for suffix in totals:
+            if name.split("{")[0] == f"modelfleet_time_to_first_token_seconds{suffix}":
+                totals[suffix] += float(value)
+    return totals["_sum"], totals["_count"]
+
+
 async def run_http(
     url: str, model: str, args, prompts, *, by_version: bool = False, server_pid: int | None = None
 ) -> dict:
     """The load against a server: one JSON summary; with the server's pid, its CPU use (1.0 is one
-    core busy all along) and the busiest client's, so that a saturated side shows."""
+    core busy all along) and the busiest client's, so that a saturated side shows. `server_ttft_mean_ms`:
+    the mean time from a request's arrival in the server's endpoint to its first token (its /metrics),
+    beside the client's TTFT, which adds the time before the server took the request in."""
     before = cpu_seconds(server_pid) if server_pid is not None else 0.0
+    ttft_before = server_ttft_totals(url)
     processes = getattr(args, "client_processes", 1)
     if processes > 1:
         loop = asyncio.get_running_loop()
@@ -721,6 +741,10 @@ async def run_http(
     summary["client_cpu_util_max"] = round(client_cpu, 3)
     if server_pid is not None:
         summary["server_cpu_util"] = round((cpu_seconds(server_pid) - before) / max(duration, 1e-9), 3)
+    ttft_after = server_ttft_totals(url)
+    if ttft_before is not None and ttft_after is not None and ttft_after[1] > ttft_before[1]:
+        seconds, requests = (after - first for after, first in zip(ttft_after, ttft_before, strict=True))
+        summary["server_ttft_mean_ms"] = round(1e3 * seconds / requests, 2)
     if by_version:  # each version's figures over the same wall time (their throughputs add up)
         versions = sorted({r.version for r in results if r.ok})
         summary["versions"] = {

@@ -40,6 +40,8 @@ def test_a_split_client_answers_every_request_once(tiny_model_dir, serve_bench):
         assert summary["output_throughput_tok_s"] > 0
         # Busy shares over a run this short are coarse (clock ticks of 10 ms): present and positive.
         assert summary["server_cpu_util"] > 0 and summary["client_cpu_util_max"] > 0
+        # The server's own TTFT (from its /metrics, this run's requests alone) is inside the client's.
+        assert 0 < summary["server_ttft_mean_ms"] <= summary["ttft_ms"]["mean"]
     # Each of the 10 answers counted its 6 tokens: none lost or counted twice across the clients. (The
     # count itself: throughput times the rounded duration can be a token off on a run this short.)
     assert {p: s["output_tokens"] for p, s in summaries.items()} == {1: 60, 3: 60}
