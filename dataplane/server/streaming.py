@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from modelfleet.dataplane.server.errors import ClientGone, ServerError
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -110,6 +111,8 @@ class SseResponse(StreamingResponse):
         except asyncio.CancelledError:
             if not client_left or streaming.uncancel():  # cancelled for another reason too
                 raise
+        except OSError as exc:  # an ASGI 2.4 server's send to a closed connection, as Starlette takes it
+            raise ClientDisconnect() from exc
         finally:
             watcher.cancel()
 

@@ -9,6 +9,7 @@ import json
 import pytest
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.streaming import ServerSendApp, SseResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tests.dataplane.server.test_dataplane import traced_dataplane
@@ -206,3 +207,15 @@ async def test_a_streaming_response_cancelled_by_the_server_stays_cancelled():
     stopped_at = len(produced)
     await asyncio.sleep(0.05)
     assert len(produced) == stopped_at
+
+
+async def test_a_send_to_a_closed_connection_is_the_clients_disconnect():
+    """Servers of ASGI spec 2.4 raise OSError from send once the connection is gone (Starlette's rule)."""
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            raise OSError("connection closed")
+
+    app = endless_stream_app([])
+    with pytest.raises(ClientDisconnect):
+        await app(get_scope(), client_receive(asyncio.Event()), send)
