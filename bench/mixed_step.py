@@ -1,8 +1,9 @@
 """What admitting prompts into a running decode batch costs the engine, per step, on a GPU.
 
 N sequences decode steadily (EOS ignored); then, for each k, every `--every`-th step admits k new
-prompts of `--prompt-len` tokens (as many of the oldest sequences are aborted, so N stay running): the steady pattern
-of a server whose requests arrive one by one and are held `--every - 1` pure-decode steps. Each case
+prompts of `--prompt-len` tokens (as many of the oldest sequences are aborted, so N stay running):
+the steady pattern of a server whose requests arrive one by one and are held `--every - 1` pure-decode
+steps. Each case
 reports the wall milliseconds per step over the window (the engine launches a step before it reads the
 last one's tokens, so this is the rate it sustains) and the host milliseconds spent launching the steps
 that carry prompts (ModelRunner's eager forward) against those that replay decode graphs. k = 0 (pure
