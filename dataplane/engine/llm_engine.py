@@ -463,17 +463,17 @@ class LLMEngine(PromptChecks):
         is not streamed and has not finished."""
         seq = state.seq
         finished = seq.status is SequenceStatus.FINISHED
-        if state.detokenizer is not None:  # else its text is decoded where it is written (release_text)
-            if not (state.detokenize_each_step or finished):
-                return None
-            if self._detokenize(state, finished):
-                if finished:
-                    seq.finish_reason = "stop"  # the stop string came with the last allowed token
-                else:
-                    self.scheduler.finish(seq.request_id, "stop")
-                    finished = True
-            if not (state.stream or finished):
-                return None
+        if not (state.detokenize_each_step or finished):
+            return None
+        # No detokenizer: a streamed request whose text is decoded where it is written (release_text).
+        if state.detokenizer is not None and self._detokenize(state, finished):
+            if finished:
+                seq.finish_reason = "stop"  # the stop string came with the last allowed token
+            else:
+                self.scheduler.finish(seq.request_id, "stop")
+                finished = True
+        if not (state.stream or finished):
+            return None
         output = self._take_output(state)
         if finished:
             del self._requests[seq.request_id]

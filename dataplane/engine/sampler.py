@@ -274,14 +274,14 @@ class Sampler:
         temperature = torch.tensor(
             [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], dtype=logits.dtype
         )
-        # Host lists reach the device with non-blocking copies (staged at once): no wait on the device.
-        logits = logits / temperature.to(device, non_blocking=True).unsqueeze(1)
+        # Host lists reach the device through pinned memory (device_copy): no wait on the device.
+        logits = logits / to_device(temperature, device).unsqueeze(1)
 
         if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
             logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(device, non_blocking=True)
+            min_p = to_device(torch.tensor([p.min_p for p in params], dtype=probs.dtype), device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
 
@@ -293,7 +293,7 @@ class Sampler:
                 noise[i].exponential_(generator=_request_generator(seq, device))
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            greedy_mask = torch.tensor(greedy).to(device, non_blocking=True)
+            greedy_mask = to_device(torch.tensor(greedy), device)
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled
 
@@ -310,11 +310,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         p = seq.params
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(seq.token_ids, device=device, dtype=torch.long).unique()
+            seen = to_device(torch.tensor(seq.token_ids, dtype=torch.long), device).unique()
             values = row[seen]
             row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-            out = torch.tensor(seq.output_token_ids, device=device, dtype=torch.long)
+            out = to_device(torch.tensor(seq.output_token_ids, dtype=torch.long), device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     return logits
@@ -329,8 +329,8 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
             cols.append(token)
             values.append(float(bias))
     device = logits.device
-    index = torch.tensor([rows, cols], dtype=torch.long).to(device, non_blocking=True)
-    bias = torch.tensor(values, dtype=logits.dtype).to(device, non_blocking=True)
+    index = to_device(torch.tensor([rows, cols], dtype=torch.long), device)
+    bias = to_device(torch.tensor(values, dtype=logits.dtype), device)
     return logits.index_put((index[0], index[1]), bias, accumulate=True)
 
 
@@ -338,12 +338,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     vocab = logits.shape[1]
     device = logits.device
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params]).to(
-        device, non_blocking=True
+    top_k = to_device(
+        torch.tensor([min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params]), device
     )
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     remove = ranks >= top_k.unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype).to(device, non_blocking=True)
+    top_p = to_device(torch.tensor([p.top_p for p in params], dtype=logits.dtype), device)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

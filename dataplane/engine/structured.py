@@ -464,6 +464,7 @@ class GrammarMasks:
         """Waits for the fill (raising its error, if any), then copies the bitmask to `device` for the
         fused sampling kernel to read, with which rows it masks (the constrained ones)."""
         import torch
+        from modelfleet.dataplane.engine.device_copy import to_device
         from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
         rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
@@ -477,7 +478,7 @@ class GrammarMasks:
         else:
             flags = torch.zeros(num_rows, dtype=torch.int32)
             flags[rows] = 1
-            flags = flags.to(device, non_blocking=True)
+            flags = to_device(flags, device)
         bits = host if device.type == "cpu" else self._to_device(host)
         return TokenBitmask(bits, direct, self._far_ids[1], flags)
 
@@ -571,10 +572,11 @@ class _PaddingMask:
     ) -> None:
         """`bitmask`: the rows' bitmask where the logits are; `host`: the same on the host."""
         import torch
+        from modelfleet.dataplane.engine.device_copy import to_device
 
         rows: Any = slice(None)
         if indices is not None:
-            rows = torch.tensor(indices, dtype=torch.long).to(logits.device, non_blocking=True)
+            rows = to_device(torch.tensor(indices, dtype=torch.long), logits.device)
         start = self.vocab.tokenizer_size
         host_bits = (host.numpy()[:, self._host_words] >> self._host_shifts) & 1
         if not host_bits[slice(None) if indices is None else indices].any():
