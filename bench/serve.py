@@ -706,13 +706,16 @@ def server_ttft_totals(url: str) -> tuple[float, float] | None:
             text = response.read().decode()
     except (OSError, urllib.error.URLError):
         return None
-    totals = {"_sum": 0.0, "_count": 0.0}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        for suffix in totals:
-            if name.split("{")[0] == f"modelfleet_time_to_first_token_seconds{suffix}":
-                totals[suffix] += float(value)
-    return totals["_sum"], totals["_count"]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    name = "modelfleet_time_to_first_token_seconds"
+    totals = {f"{name}_sum": 0.0, f"{name}_count": 0.0}
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    return totals[f"{name}_sum"], totals[f"{name}_count"]
 
 
 async def run_http(
