@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 from modelfleet.dataplane import LLM
 from modelfleet.dataplane.manifest import ServingManifest
+from modelfleet.operator import schema_checks
 from modelfleet.operator.api import InferenceModel
 from modelfleet.operator.reconcile import serving
 from modelfleet.operator.reconcile.plan import serving_plan, version_views
@@ -98,7 +99,9 @@ def test_manifest_serves_the_requested_split_with_the_quantized_artifact(both_re
     assert all(v.preload for v in model.versions)  # loading.mode: eager
 
 
-def test_the_step_budget_and_held_steps_of_spec_engine_reach_the_engine(both_ready, tiny_model_dir):
+def test_the_step_budget_and_held_steps_of_spec_engine_reach_the_engine(
+    both_ready, tiny_model_dir, crd_files
+):
     """spec.engine.maxNumBatchedTokens and prefillWaitSteps, through the serving manifest, set the engine's
     scheduler; unset, the manifest leaves both to the engine's defaults."""
     im, mvs = both_ready
@@ -107,6 +110,7 @@ def test_the_step_budget_and_held_steps_of_spec_engine_reach_the_engine(both_rea
     assert "max_num_batched_tokens" not in unset and "prefill_wait_steps" not in unset
     im = copy.deepcopy(im)
     im["spec"]["engine"].update(maxNumBatchedTokens=96, prefillWaitSteps=3, maxModelLen=128)
+    assert not schema_checks.admit(crd_files["InferenceModel"], im).errors  # the API server takes it
     plan, _ = plan_for(im, mvs)
     (model,) = ServingManifest.from_yaml(by_kind(plan)["ConfigMap"]["data"]["manifest.yaml"]).models
     assert model.engine["max_num_batched_tokens"] == 96 and model.engine["prefill_wait_steps"] == 3
