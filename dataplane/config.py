@@ -56,6 +56,10 @@ class EngineConfig:
     seed: int = 0
     # True: no CUDA graphs; decode steps run the model eagerly (for debugging, or to save graph memory).
     enforce_eager: bool = False
+    # Steps with prompt tokens replay piecewise CUDA graphs (all of the forward but attention, captured
+    # per token count; kernels/piecewise_graphs.py) where decode steps replay graphs. False: they run
+    # the model eagerly (less graph memory, a slower start).
+    piecewise_graphs: bool = True
     # Ranks one model is split over (its attention heads, MLP and vocabulary): GPUs of one node (NCCL),
     # or processes on the CPU (gloo). It must divide the model's attention heads.
     tensor_parallel_size: int = 1
@@ -93,8 +97,9 @@ class EngineConfig:
                 f"kv_cache_memory_fraction: {self.kv_cache_memory_fraction} is outside (0, 1]; "
                 "use e.g. 0.9 for 90% of free device memory"
             )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager: {self.enforce_eager!r} must be true or false")
+        for name in ("enforce_eager", "piecewise_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: {getattr(self, name)!r} must be true or false")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1:
             _check_tensor_parallel(self)

@@ -71,9 +71,11 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [T, Hq, D] -> [T, Hq, D]. key/value (this step's, already written) are an optional hint
-        a backend may use when no sequence has cached context. sliding_window W: keys at p-W+1..p only."""
+        a backend may use when no sequence has cached context. sliding_window W: keys at p-W+1..p only.
+        out: where to write the result (its rows of the step's tokens), which is then returned."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

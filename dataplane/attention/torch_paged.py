@@ -199,6 +199,7 @@ class TorchPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scales = None
         if is_fp8(kv_cache):
@@ -207,8 +208,11 @@ class TorchPagedAttention(AttentionBackend):
             value = None if value is None else round_trip(value, scales[1])
         groups = _plan(attn_metadata, kv_cache.shape[2])
         if len(groups) == 1 and groups[0].token_index.shape[0] == query.shape[0]:
-            return self._group_forward(groups[0], query, kv_cache, scale, key, value, sliding_window, scales)
-        out = torch.empty_like(query)
+            result = self._group_forward(
+                groups[0], query, kv_cache, scale, key, value, sliding_window, scales
+            )
+            return result if out is None else out.copy_(result)
+        out = torch.empty_like(query) if out is None else out
         for group in groups:
             q = query.index_select(0, group.token_index)
             k = key.index_select(0, group.token_index) if key is not None and group.fresh else None

@@ -80,6 +80,7 @@ class TritonPagedAttention(AttentionBackend):
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = attn_metadata
         if meta.max_query_len == 1:
@@ -93,6 +94,7 @@ class TritonPagedAttention(AttentionBackend):
                 meta.seq_lens,
                 meta.block_tables,
                 scale,
+                out=out,
                 sliding_window=sliding_window,
                 k_scale=k_scale,
                 v_scale=v_scale,
@@ -107,6 +109,7 @@ class TritonPagedAttention(AttentionBackend):
             meta.block_tables,
             meta.max_query_len,
             scale,
+            out=out,
             sliding_window=sliding_window,
             k_scale=k_scale,
             v_scale=v_scale,

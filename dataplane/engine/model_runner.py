@@ -34,6 +34,7 @@ from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.structured import GrammarVocab
     from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
+    from modelfleet.dataplane.kernels.piecewise_graphs import PiecewiseGraphRunner
     from modelfleet.dataplane.parallel.worker import WorkerLink
     from modelfleet.dataplane.parallel.workers import WorkerGroup
 
@@ -184,6 +185,9 @@ class ModelRunner:
         # The latest step's sampled tokens, by sampling row: the next step's in-flight input ids.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.decode_graphs = self._capture_decode_graphs(config)
+        # Steps with prompt tokens: captured once the engine has set its token budget (capture_piecewise).
+        self.piecewise_graphs: PiecewiseGraphRunner | None = None
+        self._piecewise = config.piecewise_graphs
         # The decode graphs' head for rows a grammar constrains, made on the first such step.
         self.masked_head: MaskedHeadGraphs | None = None
 
@@ -214,6 +218,24 @@ class ModelRunner:
         with torch.inference_mode():
             runner.capture()
         return runner
+
+    def capture_piecewise(self, max_tokens: int) -> None:
+        """Piecewise CUDA graphs for steps of up to `max_tokens` (the engine's token budget) with prompt
+        tokens, where decode steps replay graphs, on one rank, unless piecewise_graphs is off."""
+        if self.decode_graphs is None or self.tp is not None or not self._piecewise:
+            return
+        from modelfleet.dataplane.kernels.piecewise_graphs import MAX_GRAPHED_TOKENS, PiecewiseGraphRunner
+
+        runner = PiecewiseGraphRunner(
+            self.model,
+            self.kv_caches,
+            self.sampled_ids,
+            max_tokens=min(max_tokens, MAX_GRAPHED_TOKENS),
+            max_seqs=self.sampled_ids.shape[0],
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+        )
+        runner.capture()
+        self.piecewise_graphs = runner
 
     @property
     def is_first_rank(self) -> bool:
@@ -412,6 +434,9 @@ class ModelRunner:
             # Host arrays go through the runner's pinned buffers: no host sync before the replay.
             # a decode step: one input id per sequence
             return graphs.run(_graph_inputs(inputs), batch_size=len(inputs[0]))
+        piecewise = self.piecewise_graphs
+        if piecewise is not None and max_query_len > 1 and piecewise.padded_count(len(inputs[0])) is not None:
+            return piecewise.run(inputs, max_query_len)
         return self._forward_eager(*inputs, max_query_len)
 
     def _forward_eager(
