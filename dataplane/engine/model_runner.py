@@ -365,9 +365,9 @@ class ModelRunner:
         return graphs is not None and graphs.head is not None and bool(graphs.graphs)
 
     def prepare_structured(self, vocab: GrammarVocab) -> None:
-        """Where samples_in_graphs: the masked head for `vocab`, its kernels compiled now
-        (MaskedHeadGraphs.compile_kernels) rather than at the first constrained request."""
-        self._masked_head(vocab).compile_kernels()
+        """Where samples_in_graphs: the masked head for `vocab`, its graphs captured now
+        (MaskedHeadGraphs.capture_all) rather than at the first constrained requests."""
+        self._masked_head(vocab).capture_all()
 
     def _masked_head(self, vocab: GrammarVocab) -> MaskedHeadGraphs:
         """The decode graphs' masked sampling head for a grammar vocabulary (one per engine in practice:

@@ -207,9 +207,10 @@ class MaskedHeadGraphs:
     `head`, given the mask) then reads the forward graph's output where that graph left it, and the
     bitmask, mask flags, temperatures and seeds from static buffers here: logits and masked sampling in
     one replay, where run eagerly they cost ~1 ms of host time a step at 64 rows (torch.profiler, H200),
-    more than the GPU's step. A graph is captured per batch size on first use (the grammars' vocabulary
-    is known only once a constrained request comes), into a memory pool of its own; it reads the forward
-    graph of the same padded size, so `run` must follow that forward's replay, before the next one."""
+    more than the GPU's step. A graph is captured per batch size, all of them at start where the engine
+    knows its grammars' vocabulary then (capture_all), else on first use, into a memory pool of its
+    own; it reads the forward graph of the same padded size, so `run` must follow that forward's
+    replay, before the next one."""
 
     def __init__(
         self, runner: DecodeGraphRunner, words: int, num_direct: int, far_ids: Sequence[int]
@@ -256,19 +257,22 @@ class MaskedHeadGraphs:
         host["temperature"][batch_size:padded] = 0.0
         self.packing.send(padded)
         self.staged.record()
-        graph = self.graphs.get(padded) or self._capture(padded)
+        graph = self.graphs.get(padded) or self._capture(padded)  # capture_all made them, unless not called
         graph.replay()
         return self.outputs[padded][:batch_size]
 
     @torch.inference_mode()
-    def compile_kernels(self) -> None:
-        """Runs the masked head once, eagerly, at each of the forward graphs' batch sizes (no row masked),
-        so that the masked sampling kernel's variants are compiled: ~1 s of Triton compiling that would
-        otherwise stall the engine's every stream at the first constrained request. The eager sampler's
-        masked path runs the same variants (the same logits dtype and bitmask layout)."""
+    def capture_all(self) -> None:
+        """Captures the head at each of the forward graphs' batch sizes (largest first, no row masked),
+        its kernels compiled by the warm-up runs: ~1 s of Triton compiling, and a capture per batch size
+        as the batch grows, that would otherwise stall the engine's every stream at the first constrained
+        requests (the first of three 64-stream rounds of bench/serve.py --structured ran at 0.73 of
+        plain decoding, the others at 0.89-0.91, H200). The eager sampler's masked path runs the same
+        kernel variants (the same logits dtype and bitmask layout)."""
         self.packing.device_views["masked_rows"].zero_()
-        for padded in self.runner.batch_sizes:
-            self._call(padded)
+        for padded in reversed(self.runner.batch_sizes):
+            if padded not in self.graphs:
+                self._capture(padded)
         torch.cuda.current_stream().synchronize()
 
     def _call(self, padded: int) -> torch.Tensor:

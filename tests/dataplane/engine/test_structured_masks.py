@@ -99,9 +99,9 @@ def test_constrained_rows_keep_the_overlap_and_their_tokens(llm, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_dir, monkeypatch):
     """On a GPU a constrained decode step replays the forward graph, then, once its bitmask has filled,
-    the masked sampling head's own graph (captured on first use per batch size, in the middle of
-    serving): the same tokens, greedy and seeded, as the eager engine, whose fused sampler reads the same
-    bitmask from its own device copy; and the overlap and the grammars' checks hold."""
+    the masked sampling head's own graph (captured at start for every batch size): the same tokens,
+    greedy and seeded, as the eager engine, whose fused sampler reads the same bitmask from its own
+    device copy; and the overlap and the grammars' checks hold."""
     settings = dict(max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cuda")
     graphs = LLM(tiny_model_dir, **settings)
     runner = graphs.engine.runner
@@ -120,15 +120,17 @@ def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_d
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_structured_output_is_ready_before_the_first_request(tiny_model_dir, monkeypatch):
     """A GPU engine prepares structured output at start (LLMEngine._prepare_structured): the grammar
-    compiler is made and the masked sampling kernel compiled for its decode graphs' batch sizes, so the
-    first constrained requests compile no sampling kernel (on an H200 that compile stalled every stream
-    for ~0.85 s)."""
+    compiler is made and the masked sampling head captured at each of its decode graphs' batch sizes, so
+    the first constrained requests compile no sampling kernel (on an H200 that compile stalled every
+    stream for ~0.85 s) and capture no graph."""
     from triton.runtime.jit import JITFunction
 
     llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cuda")
     engine = llm.engine
     assert engine._grammars is not None and engine._grammars.vocab is not None
-    assert engine.runner.masked_head is not None
+    head = engine.runner.masked_head
+    assert head is not None and sorted(head.graphs) == engine.runner.decode_graphs.batch_sizes
+    captured = dict(head.graphs)
     compiled: list[str] = []
     do_compile = JITFunction._do_compile
 
@@ -141,6 +143,7 @@ def test_on_the_gpu_structured_output_is_ready_before_the_first_request(tiny_mod
     outputs = llm.generate(prompts, params)
     assert all(o.token_ids for o in outputs)
     assert [name for name in compiled if name in ("_chunk_kernel", "_reduce_kernel")] == []
+    assert head.graphs == captured  # the same graph objects: none captured while serving
 
 
 def test_a_cpu_engine_prepares_no_structured_output(llm):
