@@ -6,7 +6,8 @@ the steady pattern of a server whose requests arrive one by one and are held `--
 steps. Each case
 reports the wall milliseconds per step over the window (the engine launches a step before it reads the
 last one's tokens, so this is the rate it sustains) and the host milliseconds spent launching the steps
-that carry prompts (ModelRunner's eager forward) against those that replay decode graphs. k = 0 (pure
+that carry prompts (`launch_ms_admitting`: piecewise graphs, or the eager forward with `--engine
+piecewise_graphs=false`) against those that only decode (`launch_ms_decoding`, decode graphs). k = 0 (pure
 decodes) is the baseline of the same run.
 
     python bench/mixed_step.py --preset llama-3.2-1b --num-seqs 256 --admit 0 2 4 8 16 --every 5
@@ -27,15 +28,15 @@ from throughput import build_preset
 
 
 class _LaunchClock:
-    """Host time of each ModelRunner.launch, split by whether the step ran eagerly (had prompts). With
+    """Host time of each ModelRunner.launch, split by whether the step carried prompts. With
     `drain`, each launch starts on an idle device and the time the device then takes to finish it is
     kept too (host-bound: about nothing; device-bound: most of the step)."""
 
     def __init__(self, runner, drain: bool) -> None:
-        self.eager: list[float] = []
-        self.graphed: list[float] = []
-        self.eager_drain: list[float] = []
-        self.graphed_drain: list[float] = []
+        self.admitting: list[float] = []
+        self.decoding: list[float] = []
+        self.admitting_drain: list[float] = []
+        self.decoding_drain: list[float] = []
         launch = runner.launch
 
         def timed(batch, *args, **kwargs):
@@ -47,10 +48,11 @@ class _LaunchClock:
             finally:
                 launched = time.perf_counter()
                 pure = all(item.num_new_tokens == 1 for item in batch.scheduled)
-                (self.graphed if pure else self.eager).append(launched - started)
+                (self.decoding if pure else self.admitting).append(launched - started)
                 if drain:
                     torch.cuda.synchronize()
-                    (self.graphed_drain if pure else self.eager_drain).append(time.perf_counter() - launched)
+                    drained = time.perf_counter() - launched
+                    (self.decoding_drain if pure else self.admitting_drain).append(drained)
 
         runner.launch = timed
 
@@ -115,7 +117,7 @@ def main() -> int:
     for k in args.admit:
         for _ in range(3 * args.every):  # the last case's prompts through
             engine.step()
-        for kept in (clock.eager, clock.graphed, clock.eager_drain, clock.graphed_drain):
+        for kept in (clock.admitting, clock.decoding, clock.admitting_drain, clock.decoding_drain):
             kept.clear()
         sync()
         started = time.perf_counter()
@@ -132,13 +134,13 @@ def main() -> int:
             {
                 "admitted_per_step": k,
                 "ms_per_step": round(1e3 * elapsed / args.steps, 3),
-                "launch_ms_eager": _median_ms(clock.eager),
-                "launch_ms_graphed": _median_ms(clock.graphed),
-                "eager_steps": len(clock.eager),
+                "launch_ms_admitting": _median_ms(clock.admitting),
+                "launch_ms_decoding": _median_ms(clock.decoding),
+                "admitting_steps": len(clock.admitting),
                 **(
                     {
-                        "drain_ms_eager": _median_ms(clock.eager_drain),
-                        "drain_ms_graphed": _median_ms(clock.graphed_drain),
+                        "drain_ms_admitting": _median_ms(clock.admitting_drain),
+                        "drain_ms_decoding": _median_ms(clock.decoding_drain),
                     }
                     if args.drain
                     else {}

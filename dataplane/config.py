@@ -10,14 +10,16 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")  # here, not in attention/kv_quant.py: this module imports no torch
 # Decode steps a waiting request waits at most for others to join it, where decode steps replay CUDA
 # graphs (EngineConfig.prefill_wait_steps). On an H100 with a 1B model at 256 streams of 128 tokens two
-# requests arrive per step: unheld, nearly every step ran eagerly.
+# requests arrive per step: unheld, nearly every step ran eagerly. With those steps in piecewise graphs
+# (2.6 ms of launch on an H200 host against 0.8 for a decode replay) holding still paid: at 256 streams
+# through the server, 8 steps gave 71-82k output tok/s against 45-68k held 2 and 48-63k unheld.
 PREFILL_WAIT_STEPS = 8
 # A step's token budget (prefill chunks plus decodes) by default (EngineConfig.max_num_batched_tokens).
-# Where decode steps replay CUDA graphs, a step with prompts in it runs eagerly, and its launch is what it
-# costs: ~9-10 ms of host time on an H200 host for the 1B preset whether it carries 2 prompts or 8, and
-# 32 decodes or 512, the device done within 0.1 ms of it (bench/mixed_step.py --drain). There the budget
-# grows with the sequence slots (requests arrive in proportion to those running), so that one such step
-# admits what the held steps gathered rather than a few steps in a row each admitting part of it.
+# Where decode steps replay CUDA graphs, a step with prompts in it costs more to launch than a decode
+# step (eagerly ~9-10 ms of host time on an H200 host for the 1B preset whether it carried 2 prompts or
+# 8, in piecewise graphs ~2.6 ms; bench/mixed_step.py --drain). There the budget grows with the sequence
+# slots (requests arrive in proportion to those running), so that one such step admits what the held
+# steps gathered rather than a few steps in a row each admitting part of it.
 TOKEN_BUDGET = 2048
 GRAPHED_TOKENS_PER_SEQ = 16
 GRAPHED_TOKEN_BUDGET_MAX = 8192
@@ -42,8 +44,8 @@ class EngineConfig:
     host_kv_cache_bytes: int = 0
     enable_chunked_prefill: bool = True
     # Steps of pure decodes a waiting request may be held back for, so that requests arriving one by one
-    # are admitted together: a step with a prompt in it runs the model eagerly, pure decodes replay a
-    # CUDA graph. None: PREFILL_WAIT_STEPS where decode graphs are captured, else 0 (never held).
+    # are admitted together: a step with a prompt in it costs more to launch than a pure decode's graph.
+    # None: PREFILL_WAIT_STEPS where decode graphs are captured, else 0 (never held).
     prefill_wait_steps: int | None = None
     # "auto": bfloat16 on accelerators, float32 on the CPU.
     dtype: str = "auto"

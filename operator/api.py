@@ -222,7 +222,7 @@ class Engine(_Model):
         ge=0,
         le=64,
         description="Decode steps a waiting request may be held for others to join it (GPUs: a step with "
-        "prompts in it runs without CUDA graphs); default 8 on GPUs, 0: never held.",
+        "prompts in it costs more to launch than a decode step); default 8 on GPUs, 0: never held.",
     )
     speculative: Speculative = Field(default_factory=Speculative)
 

@@ -9,7 +9,8 @@ recomputed later from its tokens. Waiting requests are admitted in the same orde
 slots and blocks last; a waiting request that finds no blocks preempts running ones of lower priority.
 With `prefill_wait_steps`, a step of pure decodes admits no waiting request until one has waited that
 many steps: requests that arrive one by one then join together, and the steps between stay pure
-decodes (which the model runner replays as CUDA graphs) instead of each running eagerly. A step that
+decodes (whole CUDA graphs in the model runner) instead of each launching a step with prompts (piecewise
+graphs, attention eager between them: about three decode steps' launch). A step that
 preempted lower-priority requests to make room for the first waiting one admits it at once, and so
 does one whose token budget the waiting requests already fill.
 """

@@ -23,9 +23,9 @@ def test_the_bench_times_admitting_steps_against_pure_decodes(tiny_model_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     pure, admitting = result["cases"]
-    assert (pure["admitted_per_step"], pure["eager_steps"], pure["launch_ms_eager"]) == (0, 0, None)
-    assert admitting["eager_steps"] == 3  # steps 0, 4 and 8 of 12
-    assert admitting["launch_ms_eager"] > 0 and result["vs_pure_decode"][0] == 1.0
+    assert (pure["admitted_per_step"], pure["admitting_steps"], pure["launch_ms_admitting"]) == (0, 0, None)
+    assert admitting["admitting_steps"] == 3  # steps 0, 4 and 8 of 12
+    assert admitting["launch_ms_admitting"] > 0 and result["vs_pure_decode"][0] == 1.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: --drain runs there")
