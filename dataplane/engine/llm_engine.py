@@ -158,7 +158,8 @@ class LLMEngine(PromptChecks):
         self.max_num_batched_tokens = token_budget(
             config.max_num_batched_tokens, config.max_num_seqs, decode_graphs, whole_prompt
         )
-        if isinstance(self.runner, ModelRunner):
+        if isinstance(self.runner, ModelRunner) and config.speculative_proposer == "none":
+            # (speculative steps run the model through the speculator's own forward)
             self.runner.capture_piecewise(self.max_num_batched_tokens)
         eos = set(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
