@@ -234,7 +234,17 @@ class ModelRunner:
             max_seqs=self.sampled_ids.shape[0],
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
         )
-        runner.capture()
+        try:
+            runner.capture()
+        except torch.cuda.OutOfMemoryError as exc:  # the KV cache took what the graphs would need
+            logger.warning(
+                "piecewise CUDA graphs off (%s): steps with prompts run eagerly; lower "
+                "kv_cache_memory_fraction or max_num_batched_tokens to have them",
+                str(exc).splitlines()[0],
+            )
+            del runner
+            torch.cuda.empty_cache()
+            return
         self.piecewise_graphs = runner
 
     @property

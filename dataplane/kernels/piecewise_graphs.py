@@ -21,6 +21,7 @@ every count, is as large as the largest count's forward needs.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -45,7 +46,7 @@ Attention = Callable[[AttentionMetadata], torch.Tensor]
 
 def default_token_counts(max_tokens: int) -> list[int]:
     """16, 32, ... 512 (powers of two), every 256 up to 2,048, every 512 beyond, and max_tokens itself:
-    padding wastes at most a quarter of a large step's matmuls, and small steps cost their launches."""
+    past 1,024 tokens padding adds at most a quarter to a step's matmuls; below, the launches dominate."""
     counts = [16 << i for i in range(6)] + list(range(768, 2049, 256)) + list(range(2560, max_tokens, 512))
     return sorted({c for c in counts if c < max_tokens} | {max_tokens})
 
@@ -121,10 +122,15 @@ class PiecewiseGraphRunner:
                     metadata = self._stage_warmup(count)
                     for _ in range(self.warmup_runs):  # compiles kernels, settles the allocator
                         self._forward(count, metadata)
-                    self._capturing = _Pieces(self.pool)
+                    self._capturing = _Pieces(self.pool, stream)
                     self._forward(count, metadata)
                     self.pieces[count] = self._capturing.end()
                     self._capturing = None
+        except BaseException:
+            if self._capturing is not None:  # leave the stream out of capture mode
+                self._capturing.abort()
+            self.pieces.clear()
+            raise
         finally:
             self._capturing = None
             self.model.set_attention_backend(backend)
@@ -185,6 +191,7 @@ class PiecewiseGraphRunner:
         """A step of `count` prompt tokens that writes no KV (slot -1): sequences as long as a block
         table holds, reading block 0."""
         host = self.packing.host_views
+        torch.cuda.current_stream().synchronize()  # the last count's copy out of the mirror is done
         per_seq = min(count, host["block_tables"].shape[1] * self.block_size)
         lengths = [min(per_seq, count - start) for start in range(0, count, per_seq)]
         host["input_ids"][:count] = 0
@@ -230,8 +237,9 @@ class PiecewiseGraphRunner:
 class _Pieces:
     """The graphs of one forward being captured, ended and begun again at each attention call."""
 
-    def __init__(self, pool: tuple[int, int]) -> None:
+    def __init__(self, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
         self.pool = pool
+        self.stream = stream  # a capture ends on the stream it began on
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.attentions: list[Attention] = []
         self._begin()
@@ -249,6 +257,11 @@ class _Pieces:
     def end(self) -> tuple[list[torch.cuda.CUDAGraph], list[Attention]]:
         self.graphs[-1].capture_end()
         return self.graphs, self.attentions
+
+    def abort(self) -> None:
+        """Ends the capture in progress after a failure, whatever it left behind."""
+        with torch.cuda.stream(self.stream), contextlib.suppress(RuntimeError):
+            self.graphs[-1].capture_end()
 
 
 class _SplitAttention(AttentionBackend):

@@ -142,3 +142,28 @@ def test_piecewise_hidden_states_match_the_eager_forward_on_gpu(tiny_llama_dir):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(cache_after, runner.kv_cache)  # the same KV written, and no more
     assert pieces.padded_count(num_tokens) == 64
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_out_of_memory_capturing_pieces_leaves_prompt_steps_eager(tiny_llama_dir, monkeypatch, caplog):
+    """A capture that runs out of memory (the KV cache took it) is a warning, not a failed start: the
+    engine serves, its prompt steps eager, and the stream is out of capture mode."""
+    from modelfleet.dataplane import LLM, SamplingParams
+    from modelfleet.dataplane.kernels import piecewise_graphs
+
+    forward = piecewise_graphs.PiecewiseGraphRunner._forward
+
+    def short_of_memory(self, count, metadata):
+        forward(self, count, metadata)
+        if self._capturing is not None:  # in the middle of a capture, as an allocation there would
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(piecewise_graphs.PiecewiseGraphRunner, "_forward", short_of_memory)
+    with caplog.at_level("WARNING"):
+        llm = LLM(tiny_llama_dir, **GPU_SETTINGS)
+    assert llm.engine.runner.piecewise_graphs is None
+    assert "piecewise CUDA graphs off (CUDA out of memory" in caplog.text
+    assert not torch.cuda.is_current_stream_capturing()
+    out = llm.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [4] * len(prompts())
