@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -93,7 +93,8 @@ class PiecewiseGraphRunner:
             }
         )
         self.buffers = self.packing.device_views
-        self.staged = torch.cuda.Event()
+        cuda = device.type == "cuda"
+        self.staged = torch.cuda.Event() if cuda else None
         # Made on the first forward (their shapes are the model's): attention's query and output, the
         # final hidden states.
         self.query: torch.Tensor | None = None
@@ -101,7 +102,7 @@ class PiecewiseGraphRunner:
         self.hidden: torch.Tensor | None = None
         # by token count: the pieces' graphs and the attention calls between them
         self.pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[Attention]]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
         self._capturing: _Pieces | None = None
 
     def padded_count(self, num_tokens: int) -> int | None:
@@ -112,18 +113,16 @@ class PiecewiseGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures the pieces for every token count, largest first, into one memory pool."""
-        backend = self.model.attention_backend
-        self.model.set_attention_backend(_SplitAttention(backend, self))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), self.split_attention():
                 for count in reversed(self.token_counts):
-                    metadata = self._stage_warmup(count)
+                    metadata = self.stage(_warmup_inputs(count, self.buffers, self.block_size), count)
                     for _ in range(self.warmup_runs):  # compiles kernels, settles the allocator
-                        self._forward(count, metadata)
+                        self.forward(count, metadata)
                     self._capturing = _Pieces(self.pool, stream)
-                    self._forward(count, metadata)
+                    self.forward(count, metadata)
                     self.pieces[count] = self._capturing.end()
                     self._capturing = None
         except BaseException:
@@ -133,19 +132,33 @@ class PiecewiseGraphRunner:
             raise
         finally:
             self._capturing = None
-            self.model.set_attention_backend(backend)
             torch.cuda.current_stream().wait_stream(stream)
         logger.info("captured piecewise CUDA graphs for steps of %s tokens", self.token_counts)
 
     def run(self, inputs: StepInputs, max_query_len: int) -> torch.Tensor:
         """The step's hidden states [num_tokens, hidden], in a buffer the next run overwrites; padded_count
         must have found a count for its tokens."""
-        input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables = inputs
-        num_tokens, num_seqs = len(input_ids), len(seq_lens)
+        num_tokens = len(inputs[0])
         padded = self.padded_count(num_tokens)
         assert padded is not None, "PiecewiseGraphRunner.run: no captured count holds the step"
+        metadata = self.stage(inputs, padded, max_query_len)
+        graphs, attentions = self.pieces[padded]
+        for graph, attention in zip(graphs, attentions, strict=False):
+            graph.replay()
+            attention(metadata)
+        graphs[-1].replay()
+        assert self.hidden is not None  # made when the pieces were captured
+        return self.hidden[:num_tokens]
+
+    def stage(self, inputs: StepInputs, padded: int, max_query_len: int | None = None) -> AttentionMetadata:
+        """A step's host arrays into the buffers, its tokens padded to `padded` (padding writes no KV:
+        slot -1), in one copy; the step's attention metadata over them (max_query_len: the longest
+        query, by default computed)."""
+        input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables = inputs
+        num_tokens, num_seqs = len(input_ids), len(seq_lens)
         host = self.packing.host_views
-        self.staged.synchronize()  # the previous step's copy out of the mirror is done
+        if self.staged is not None:
+            self.staged.synchronize()  # the previous copy out of the mirror is done
         for name, value, pad in (
             ("input_ids", input_ids, 0),
             ("src_rows", src_rows, -1),
@@ -158,55 +171,38 @@ class PiecewiseGraphRunner:
         host["seq_lens"][:num_seqs] = seq_lens
         # columns past a row's blocks keep older ids: attention reads no further than a sequence's length
         host["block_tables"][:num_seqs, : block_tables.shape[1]] = block_tables
-        self._send(padded, num_seqs)
-        self.staged.record()
-        metadata = self._metadata(padded, num_seqs, max_query_len, int(seq_lens.max()))
-        graphs, attentions = self.pieces[padded]
-        for graph, attention in zip(graphs, attentions, strict=False):
-            graph.replay()
-            attention(metadata)
-        graphs[-1].replay()
-        assert self.hidden is not None  # made when the pieces were captured
-        return self.hidden[:num_tokens]
-
-    def _send(self, num_tokens: int, num_seqs: int) -> None:
-        """The host mirror to the device in one copy, up to the rows in use of its last (largest) buffer."""
+        # one copy, up to the rows in use of the mirror's last (largest) buffer
         rows = {"query_start_loc": num_seqs + 1, "seq_lens": num_seqs, "block_tables": num_seqs}
-        self.packing.send(rows.get(self.packing.last, num_tokens))
-
-    def _metadata(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
-    ) -> AttentionMetadata:
+        self.packing.send(rows.get(self.packing.last, padded))
+        if self.staged is not None:
+            self.staged.record()
+        if max_query_len is None:
+            max_query_len = int(np.diff(cu_query).max())
         buffers = self.buffers
         return AttentionMetadata(
-            slot_mapping=buffers["slot_mapping"][:num_tokens],
+            slot_mapping=buffers["slot_mapping"][:padded],
             query_start_loc=buffers["query_start_loc"][: num_seqs + 1],
             seq_lens=buffers["seq_lens"][:num_seqs],
             block_tables=buffers["block_tables"][:num_seqs],
             max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
+            max_seq_len=int(seq_lens.max()),
         )
 
-    def _stage_warmup(self, count: int) -> AttentionMetadata:
-        """A step of `count` prompt tokens that writes no KV (slot -1): sequences as long as a block
-        table holds, reading block 0."""
-        host = self.packing.host_views
-        torch.cuda.current_stream().synchronize()  # the last count's copy out of the mirror is done
-        per_seq = min(count, host["block_tables"].shape[1] * self.block_size)
-        lengths = [min(per_seq, count - start) for start in range(0, count, per_seq)]
-        host["input_ids"][:count] = 0
-        host["src_rows"][:count] = -1
-        host["positions"][:count] = np.concatenate([np.arange(n) for n in lengths])
-        host["slot_mapping"][:count] = -1
-        host["query_start_loc"][: len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
-        host["seq_lens"][: len(lengths)] = lengths
-        host["block_tables"][: len(lengths)] = 0
-        self._send(count, len(lengths))
-        return self._metadata(count, len(lengths), max(lengths), max(lengths))
+    @contextlib.contextmanager
+    def split_attention(self) -> Iterator[None]:
+        """The model's attention backend wrapped so that each attention call ends a piece (capturing) or
+        runs at once on the shared query and output buffers (otherwise), as the replays run it."""
+        backend = self.model.attention_backend
+        self.model.set_attention_backend(_SplitAttention(backend, self))
+        try:
+            yield
+        finally:
+            self.model.set_attention_backend(backend)
 
-    def _forward(self, count: int, metadata: AttentionMetadata) -> None:
-        """The model on the buffers' first `count` tokens, its output into self.hidden: eager (warm-up) or
-        split into pieces (while capturing; then `metadata` reaches only the pieces' KV-cache writes)."""
+    def forward(self, count: int, metadata: AttentionMetadata) -> None:
+        """The model on the buffers' first `count` tokens (within split_attention), its output into
+        self.hidden: eager, what a replay computes (the warm-up), or split into pieces (while capturing;
+        then `metadata` reaches only the pieces' KV-cache writes)."""
         buffers = self.buffers
         ids = take_inflight_ids(buffers["input_ids"][:count], buffers["src_rows"][:count], self.sampled_ids)
         hidden = self.model(ids, buffers["positions"][:count], self.kv_caches, metadata)
@@ -335,3 +331,15 @@ class _SplitAttention(AttentionBackend):
 
         self.runner.split(attention, attn_metadata)
         return out_buf
+
+
+def _warmup_inputs(count: int, buffers: dict[str, torch.Tensor], block_size: int) -> StepInputs:
+    """A step of `count` prompt tokens that writes no KV (slot -1): sequences as long as a block table
+    holds, reading block 0."""
+    per_seq = min(count, buffers["block_tables"].shape[1] * block_size)
+    lengths = np.array([min(per_seq, count - start) for start in range(0, count, per_seq)])
+    cu_query = np.concatenate([[0], np.cumsum(lengths)])
+    positions = np.concatenate([np.arange(n) for n in lengths])
+    blocks = np.zeros((len(lengths), 1), dtype=np.int32)
+    none = np.full(count, -1)
+    return (np.zeros(count, dtype=np.int64), none, positions, none, cu_query, lengths, blocks)

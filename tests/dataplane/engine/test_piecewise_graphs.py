@@ -98,12 +98,71 @@ def test_piecewise_steps_match_eager_on_gpu(tiny_llama_dir):
     assert got_seeded == [o.token_ids for o in eager.generate(prompts(), seeded)]
 
 
+def mixed_step(block_size: int):
+    """A mixed step's host arrays (ModelRunner's StepInputs) and its longest query: a chunk of 30 tokens
+    over 20 cached ones, a new prompt of 17, and two decodes whose tokens are still in flight (rows 1 and
+    3 of sampled_ids)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shapes = [(20, 30), (0, 17), (40, 1), (9, 1)]  # (context tokens, new tokens)
+    blocks = iter(range(1, 200))
+    query_lens = np.array([n for _, n in shapes])
+    starts = np.array([c for c, _ in shapes])
+    seq_lens = starts + query_lens
+    tables = [[next(blocks) for _ in range(-(-int(n) // block_size))] for n in seq_lens]
+    width = max(map(len, tables))
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    cu_query = np.concatenate([[0], np.cumsum(query_lens)])
+    num_tokens = int(cu_query[-1])
+    seq_index = np.repeat(np.arange(len(shapes)), query_lens)
+    positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]
+    slots = block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+    slot_mapping = slots + positions % block_size
+    input_ids = rng.integers(5, 500, num_tokens)
+    src_rows = np.full(num_tokens, -1)
+    src_rows[cu_query[2:4]] = [1, 3]
+    inputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
+    return inputs, int(query_lens.max())
+
+
+def test_the_pieces_run_eagerly_compute_the_models_forward(tiny_llama_dir):
+    """What the replays compute, run eagerly on the CPU: a mixed step staged into the pieces' buffers
+    (its 49 tokens padded to 64) and the forward with each attention call split out to the shared query
+    and output buffers give the model's own hidden states and KV-cache writes."""
+    from modelfleet.dataplane import EngineConfig
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+    from modelfleet.dataplane.kernels.piecewise_graphs import PiecewiseGraphRunner
+
+    config = EngineConfig(model=tiny_llama_dir, device="cpu", dtype="float32", max_num_seqs=8)
+    runner = ModelRunner(config, 256)
+    backend = runner.model.attention_backend
+    pieces = PiecewiseGraphRunner(
+        runner.model, runner.kv_caches, runner.sampled_ids, max_tokens=128, max_seqs=8, max_blocks_per_seq=16
+    )
+    assert pieces.token_counts == [16, 32, 64, 128]
+    runner.sampled_ids[:4] = torch.tensor([11, 12, 13, 14])
+    runner.kv_cache.normal_()  # the cached context's keys and values
+    before = runner.kv_cache.clone()
+    inputs, max_query_len = mixed_step(runner.block_size)
+    with torch.inference_mode():
+        metadata = pieces.stage(inputs, 64)
+        assert metadata.max_query_len == max_query_len
+        with pieces.split_attention():
+            pieces.forward(64, metadata)
+        assert runner.model.attention_backend is backend
+        got, written = pieces.hidden[:49].clone(), runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        want = runner._forward_eager(*inputs, max_query_len)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(written, runner.kv_cache)  # the same KV written, none for the padding
+
+
 @pytest.mark.gpu
 @cuda_only
 def test_piecewise_hidden_states_match_the_eager_forward_on_gpu(tiny_llama_dir):
-    """A mixed step (a prompt's chunk over cached context, a new prompt, decodes reading in-flight ids)
-    through the pieces against the model run eagerly on the same inputs, in bfloat16."""
-    import numpy as np
+    """The mixed step through the captured pieces against the model run eagerly on the same inputs, in
+    bfloat16."""
     from modelfleet.dataplane import EngineConfig
     from modelfleet.dataplane.engine.model_runner import ModelRunner
 
@@ -113,35 +172,16 @@ def test_piecewise_hidden_states_match_the_eager_forward_on_gpu(tiny_llama_dir):
     pieces = runner.piecewise_graphs
     assert pieces is not None and pieces.token_counts == [16, 32, 64, 128]
     runner.sampled_ids[:4] = torch.tensor([11, 12, 13, 14], device="cuda")
-    rng = np.random.default_rng(0)
-    # (context tokens, new tokens): a chunk over 20 cached tokens, a new prompt, two decodes
-    shapes = [(20, 30), (0, 17), (40, 1), (9, 1)]
-    blocks = iter(range(1, 200))
-    query_lens = np.array([n for _, n in shapes])
-    starts = np.array([c for c, _ in shapes])
-    seq_lens = starts + query_lens
-    tables = [[next(blocks) for _ in range(-(-int(s) // runner.block_size))] for s in seq_lens]
-    width = max(map(len, tables))
-    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
-    cu_query = np.concatenate([[0], np.cumsum(query_lens)])
-    num_tokens = int(cu_query[-1])
-    seq_index = np.repeat(np.arange(len(shapes)), query_lens)
-    positions = np.arange(num_tokens) - cu_query[seq_index] + starts[seq_index]
-    slot_mapping = block_tables[seq_index, positions // 16].astype(np.int64) * 16 + positions % 16
-    input_ids = rng.integers(5, 500, num_tokens)
-    src_rows = np.full(num_tokens, -1)
-    src_rows[cu_query[2:4]] = [1, 3]  # the decodes' tokens are still in flight
-    # context: the cache holds keys and values for the cached positions already
     runner.kv_cache.normal_()
-    inputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
+    inputs, max_query_len = mixed_step(runner.block_size)
     cache_before = runner.kv_cache.clone()
-    got = runner._forward(False, inputs, int(query_lens.max())).clone()
+    got = runner._forward(False, inputs, max_query_len).clone()
     cache_after = runner.kv_cache.clone()
     runner.kv_cache.copy_(cache_before)
-    want = runner._forward_eager(*inputs, int(query_lens.max()))
+    want = runner._forward_eager(*inputs, max_query_len)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(cache_after, runner.kv_cache)  # the same KV written, and no more
-    assert pieces.padded_count(num_tokens) == 64
+    assert pieces.padded_count(len(inputs[0])) == 64
 
 
 @pytest.mark.gpu
@@ -152,14 +192,14 @@ def test_out_of_memory_capturing_pieces_leaves_prompt_steps_eager(tiny_llama_dir
     from modelfleet.dataplane import LLM, SamplingParams
     from modelfleet.dataplane.kernels import piecewise_graphs
 
-    forward = piecewise_graphs.PiecewiseGraphRunner._forward
+    forward = piecewise_graphs.PiecewiseGraphRunner.forward
 
     def short_of_memory(self, count, metadata):
         forward(self, count, metadata)
         if self._capturing is not None:  # in the middle of a capture, as an allocation there would
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    monkeypatch.setattr(piecewise_graphs.PiecewiseGraphRunner, "_forward", short_of_memory)
+    monkeypatch.setattr(piecewise_graphs.PiecewiseGraphRunner, "forward", short_of_memory)
     with caplog.at_level("WARNING"):
         llm = LLM(tiny_llama_dir, **GPU_SETTINGS)
     assert llm.engine.runner.piecewise_graphs is None
