@@ -1,9 +1,10 @@
 """Piecewise CUDA graphs for steps with prompt tokens: the forward replays from graphs captured per token
 count, all of it but attention, which runs eagerly between the pieces.
 
-Run eagerly, such a step is host-bound on a GPU: its ~150 kernel launches through Python took ~10 ms of
-host time for the 1B preset whatever the step carried (2 prompts or 8, 32 decodes or 512), and the device
-was done within 0.1 ms of the last launch (bench/mixed_step.py --drain, H200). One graph cannot hold the
+Run eagerly, such a step is host-bound on a GPU: its ~150 kernel launches through Python took 10-20 ms
+of host time for the 1B preset whatever the step carried (2 prompts or 8, 32 decodes or 512), and the
+device was done within 0.1 ms of the last launch (bench/mixed_step.py --drain, H200 hosts); in pieces
+the launch takes ~2.6 ms. One graph cannot hold the
 step: attention's launch grid follows the step's sequences and longest query, which change every step.
 The rest of a layer (norms, projections, rotary and the KV-cache write, the MLP) depends on the token
 count alone. So the forward is captured in pieces split at each attention call: piece 0 runs from the
