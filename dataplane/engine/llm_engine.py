@@ -158,8 +158,9 @@ class LLMEngine(PromptChecks):
         self.max_num_batched_tokens = token_budget(
             config.max_num_batched_tokens, config.max_num_seqs, decode_graphs, whole_prompt
         )
-        if isinstance(self.runner, ModelRunner) and config.speculative_proposer == "none":
-            # (speculative steps run the model through the speculator's own forward)
+        speculates = config.speculative_proposer != "none"
+        # Piecewise graphs, unless turned off; speculative steps run through the speculator's own forward.
+        if isinstance(self.runner, ModelRunner) and config.piecewise_graphs and not speculates:
             self.runner.capture_piecewise(self.max_num_batched_tokens)
         eos = set(self.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -181,7 +182,6 @@ class LLMEngine(PromptChecks):
             enable_prefix_caching=config.enable_prefix_caching,
             host=None if self.host_tier is None else self.host_tier.pool,
         )
-        speculates = config.speculative_proposer != "none"
         num_speculative_tokens = config.num_speculative_tokens if speculates else 0
         self.scheduler = Scheduler(
             self.block_manager,

@@ -187,7 +187,6 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs(config)
         # Steps with prompt tokens: captured once the engine has set its token budget (capture_piecewise).
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
-        self._piecewise = config.piecewise_graphs
         # The decode graphs' head for rows a grammar constrains, made on the first such step.
         self.masked_head: MaskedHeadGraphs | None = None
 
@@ -221,8 +220,9 @@ class ModelRunner:
 
     def capture_piecewise(self, max_tokens: int) -> None:
         """Piecewise CUDA graphs for steps of up to `max_tokens` (the engine's token budget) with prompt
-        tokens, where decode steps replay graphs, on one rank, unless piecewise_graphs is off."""
-        if self.decode_graphs is None or self.tp is not None or not self._piecewise:
+        tokens, where decode steps replay graphs, on one rank (the engine asks unless piecewise_graphs is
+        off)."""
+        if self.decode_graphs is None or self.tp is not None:
             return
         from modelfleet.dataplane.kernels.piecewise_graphs import MAX_GRAPHED_TOKENS, PiecewiseGraphRunner
 
@@ -445,8 +445,10 @@ class ModelRunner:
             # a decode step: one input id per sequence
             return graphs.run(_graph_inputs(inputs), batch_size=len(inputs[0]))
         piecewise = self.piecewise_graphs
-        if piecewise is not None and max_query_len > 1 and piecewise.padded_count(len(inputs[0])) is not None:
-            return piecewise.run(inputs, max_query_len)
+        padded = None if piecewise is None or max_query_len == 1 else piecewise.padded_count(len(inputs[0]))
+        if padded is not None:
+            assert piecewise is not None  # padded is found only with the pieces
+            return piecewise.run(inputs, padded, max_query_len)
         return self._forward_eager(*inputs, max_query_len)
 
     def _forward_eager(

@@ -136,12 +136,10 @@ class PiecewiseGraphRunner:
             torch.cuda.current_stream().wait_stream(stream)
         logger.info("captured piecewise CUDA graphs for steps of %s tokens", self.token_counts)
 
-    def run(self, inputs: StepInputs, max_query_len: int) -> torch.Tensor:
-        """The step's hidden states [num_tokens, hidden], in a buffer the next run overwrites; padded_count
-        must have found a count for its tokens."""
+    def run(self, inputs: StepInputs, padded: int, max_query_len: int) -> torch.Tensor:
+        """The step's hidden states [num_tokens, hidden], in a buffer the next run overwrites; `padded`:
+        the count padded_count found for its tokens."""
         num_tokens = len(inputs[0])
-        padded = self.padded_count(num_tokens)
-        assert padded is not None, "PiecewiseGraphRunner.run: no captured count holds the step"
         metadata = self.stage(inputs, padded, max_query_len)
         graphs, attentions = self.pieces[padded]
         for graph, attention in zip(graphs, attentions, strict=False):
@@ -225,6 +223,7 @@ class PiecewiseGraphRunner:
         if self.query is None:
             shape = (self.max_tokens, *query.shape[1:])
             self.query = torch.empty(shape, dtype=query.dtype, device=query.device)
+            # zeros: the padding rows, which attention never writes, reach the next piece finite
             self.attn_out = torch.zeros(shape, dtype=query.dtype, device=query.device)
         assert self.attn_out is not None
         count = query.shape[0]

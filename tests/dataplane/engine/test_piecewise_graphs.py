@@ -83,9 +83,9 @@ def test_piecewise_steps_match_eager_on_gpu(tiny_llama_dir):
     steps = []
     run = runner.piecewise_graphs.run
 
-    def counting_run(inputs, max_query_len):
+    def counting_run(inputs, padded, max_query_len):
         steps.append(len(inputs[0]))
-        return run(inputs, max_query_len)
+        return run(inputs, padded, max_query_len)
 
     runner.piecewise_graphs.run = counting_run
     got = [o.token_ids for o in graphs.generate(prompts(), greedy)]
