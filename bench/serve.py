@@ -32,6 +32,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -458,9 +459,11 @@ def start_server(
     *,
     manifest: Path | None = None,
     stream_relays: int | None = None,
+    gpu_sharing: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """`modelfleet serve` for one model folder (with `engine` settings), or for a manifest file; with
-    `stream_relays`, that MODELFLEET_STREAM_RELAYS (else the server's default or the environment's)."""
+    `stream_relays` or `gpu_sharing`, that MODELFLEET_STREAM_RELAYS or MODELFLEET_GPU_SHARING (else the
+    server's default or the environment's)."""
     port = free_port()
     command = [sys.executable, "-m", "modelfleet.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--log-level", "warning"]
@@ -473,6 +476,8 @@ def start_server(
     env = dict(os.environ)
     if stream_relays is not None:
         env["MODELFLEET_STREAM_RELAYS"] = str(stream_relays)
+    if gpu_sharing is not None:
+        env["MODELFLEET_GPU_SHARING"] = gpu_sharing
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -532,8 +537,6 @@ def ab_manifest(path: Path, model_dir: Path, name: str, engine: dict) -> Path:
 def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
     """The front end at scale, one JSON line per case: the server at each --streams count against the
     engine alone in the same run, then an A/B pair of versions on one device against one version alone."""
-    import tempfile
-
     streams = sorted(set(args.streams))
     base = {
         "bench": "serve",
@@ -572,35 +575,46 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
             line = {**base, "case": "streams", "max_concurrency": n, "stream_relays": relays}
             line.update(server=server, engine_baseline=alone, **ratios(server, alone))
             print(json.dumps(line), flush=True)
+    alone = served[relay_counts[-1]][args.ab_streams]
+    for sharing in args.ab_gpu_sharing:
+        pair = run_pair(args, model_dir, prompts, relay_counts[-1], sharing)
+        failed += pair["failed"]
+        line = {
+            **base,
+            "case": "ab_50_50",
+            "max_concurrency": args.ab_streams,
+            # what the operator gives a one-GPU NVIDIA pod (mps), or time-slicing (none)
+            "gpu_sharing": sharing,
+            "mps_control": shutil.which("nvidia-cuda-mps-control"),
+            "pair": pair,
+            "one_version": alone,
+        }
+        line["pair_vs_one_output_throughput"] = round(
+            pair["output_throughput_tok_s"] / max(alone["output_throughput_tok_s"], 1e-9), 3
+        )
+        print(json.dumps(line), flush=True)
+    return 0 if failed == 0 else 1
+
+
+def run_pair(args, model_dir: Path, prompts: list[list[int]], relays: int | None, gpu_sharing: str) -> dict:
+    """The A/B case's load on one server holding two versions of the model, 50/50."""
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
         manifest = ab_manifest(
             Path(tmp) / "ab.yaml", model_dir, args.model_name, engine_settings(args.engine)
         )
         process, url = start_server(
-            None, args.model_name, [], manifest=manifest, stream_relays=relay_counts[-1]
+            None, args.model_name, [], manifest=manifest, stream_relays=relays, gpu_sharing=gpu_sharing
         )
         try:
             pair_args = with_concurrency(args, args.ab_streams)
-            pair = asyncio.run(
+            return asyncio.run(
                 run_http(url, args.model_name, pair_args, prompts, by_version=True, server_pid=process.pid)
             )
         finally:
             process.terminate()
             process.wait(timeout=60)
-    failed += pair["failed"]
-    alone = served[relay_counts[-1]][args.ab_streams]
-    line = {
-        **base,
-        "case": "ab_50_50",
-        "max_concurrency": args.ab_streams,
-        "pair": pair,
-        "one_version": alone,
-    }
-    line["pair_vs_one_output_throughput"] = round(
-        pair["output_throughput_tok_s"] / max(alone["output_throughput_tok_s"], 1e-9), 3
-    )
-    print(json.dumps(line), flush=True)
-    return 0 if failed == 0 else 1
 
 
 def with_concurrency(args, n: int) -> argparse.Namespace:
@@ -791,6 +805,14 @@ def main() -> int:
         "two versions 50/50 on one device against one version (one JSON line per case)",
     )
     parser.add_argument("--ab-streams", type=int, default=128, help="concurrency of the suite's A/B case")
+    parser.add_argument(
+        "--ab-gpu-sharing",
+        nargs="+",
+        choices=["mps", "none"],
+        default=["mps"],
+        help="the A/B case's MODELFLEET_GPU_SHARING, one pair per value in this order (mps: what the "
+        "operator gives a one-GPU NVIDIA pod)",
+    )
     parser.add_argument(
         "--stream-relays",
         type=int,

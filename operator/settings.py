@@ -84,6 +84,13 @@ class OperatorSettings(BaseSettings):
         description="stream relay processes per engine of a GPU data-plane pod (its "
         "MODELFLEET_STREAM_RELAYS); unset: the server sizes them from each engine's max_num_seqs",
     )
+    dataplane_gpu_sharing: str = Field(
+        default="mps",
+        pattern="^(mps|none)$",
+        description="how the versions of a one-GPU NVIDIA data-plane pod share it (its "
+        "MODELFLEET_GPU_SHARING): mps, their kernels run concurrently under an MPS daemon; none: the GPU "
+        "time-slices between their engine processes",
+    )
     dataplane_memory: str = Field(default="16Gi", description="memory request and limit of a data-plane pod")
 
     # The HorizontalPodAutoscaler (when replicas.max > replicas.min).

@@ -14,6 +14,7 @@ from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.app import create_app
 from modelfleet.dataplane.server.auth import KeyLimits, KeyStore
 from modelfleet.dataplane.server.dataplane import DataPlane
+from modelfleet.dataplane.server.gpu_sharing import MpsDaemon
 from modelfleet.dataplane.server.metrics import ServerMetrics
 from modelfleet.dataplane.server.model_manager import Loader, ModelManager, SizeEstimator
 from modelfleet.dataplane.server.settings import ServerSettings
@@ -77,6 +78,9 @@ def build_app(
             log.warning("no API key file configured: the server is OPEN, every caller is accepted")
         else:
             log.info("API keys checked against %s", settings.api_key_file)
+        mps = MpsDaemon() if settings.gpu_sharing == "mps" else None
+        if mps is not None:
+            mps.start()  # before the first engine process: a process joins MPS as it starts using CUDA
         dataplane.apply_manifest(manifest)
         dataplane.manager.start()
         dataplane.replicas.start()
@@ -106,5 +110,7 @@ def build_app(
                 await watcher.stop()
             await dataplane.replicas.stop()
             await dataplane.close()
+            if mps is not None:
+                mps.stop()
 
     return create_app(dataplane, lifespan=lifespan)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -87,6 +88,13 @@ class ServerSettings(BaseSettings):
         description="processes that write streamed answers to clients for an engine in its own process (a "
         "GPU engine), so that one server process is not what limits tokens/s; 0: the server writes them; "
         "unset: one per 64 sequences of the engine's max_num_seqs (loading.STREAMS_PER_RELAY)",
+    )
+
+    gpu_sharing: Literal["none", "mps"] = Field(
+        default="none",
+        description="how the engine processes of versions on one NVIDIA GPU share it: mps, through an MPS "
+        "control daemon (the node's, where CUDA_MPS_PIPE_DIRECTORY is set, else one the server starts), so "
+        "their kernels run concurrently; none: the GPU time-slices between them",
     )
 
     # Per-key limits are shared by the replicas serving a model: each enforces 1/replicas of them. The

@@ -145,9 +145,14 @@ def _env(im: dict[str, Any], spec: InferenceModelSpec, settings: OperatorSetting
         env.append({"name": "MODELFLEET_GRPC_PORT", "value": str(settings.dataplane_grpc_port)})
     # A GPU pod's engines run in processes of their own, with stream relays; unset, the server gives each
     # engine as many as its max_num_seqs needs.
-    gpu = hardware(spec.hardware.accelerator).resource_name
-    if gpu and settings.dataplane_stream_relays is not None:
+    hw = hardware(spec.hardware.accelerator)
+    if hw.resource_name and settings.dataplane_stream_relays is not None:
         env.append({"name": "MODELFLEET_STREAM_RELAYS", "value": str(settings.dataplane_stream_relays)})
+    # The pod's versions share its GPU: through MPS their engines' kernels run side by side
+    # (dataplane/server/gpu_sharing.py). Set from the start, not when a second version arrives: a new
+    # variable would roll the pods. One GPU only: tensor-parallel ranks under MPS are not tested.
+    if hw.vendor == "nvidia" and spec.hardware.count == 1 and settings.dataplane_gpu_sharing == "mps":
+        env.append({"name": "MODELFLEET_GPU_SHARING", "value": "mps"})
     return env
 
 

@@ -81,6 +81,7 @@ BAD_VALUES = {
     "short-admin-key": ({"controlPlane": {"auth": {"adminKey": "short"}}}, "/controlPlane/auth/adminKey"),
     "bad-namespace": ({"operator": {"watchNamespaces": ["Team_A"]}}, "/operator/watchNamespaces/0"),
     "bad-log-format": ({"logFormat": "yaml"}, "/logFormat"),
+    "bad-gpu-sharing": ({"dataplane": {"gpuSharing": "time-slicing"}}, "/dataplane/gpuSharing"),
     "negative-migration-retries": (
         {"controlPlane": {"migrationJob": {"backoffLimit": -1}}},
         "/controlPlane/migrationJob/backoffLimit",
@@ -558,3 +559,21 @@ def test_stream_relays_reach_gpu_pods_only_when_set(rendered) -> None:
         pod = serving.deployment(EXAMPLE_MODEL, gpu_spec, settings)["spec"]["template"]["spec"]
         pod_env = {item["name"]: item.get("value") for item in pod["containers"][0]["env"]}
         assert pod_env.get("MODELFLEET_STREAM_RELAYS") == relays
+
+
+@pytest.mark.parametrize(
+    ("values", "sharing"), [({}, "mps"), ({"dataplane": {"gpuSharing": "none"}}, "none")]
+)
+def test_gpu_sharing_reaches_one_gpu_nvidia_pods(rendered, values, sharing) -> None:
+    """dataplane.gpuSharing -> the operator's setting -> MODELFLEET_GPU_SHARING of a one-GPU NVIDIA pod."""
+    docs = rendered[("defaults", "1.37.0")] if not values else render(values, kube_version="1.37.0")
+    env = container_env(by_kind(docs, "Deployment")["mf-modelfleet-operator"])
+    assert env["MODELFLEET_DATAPLANE_GPU_SHARING"] == sharing
+    gpu_spec = EXAMPLE_SPEC.model_copy(
+        update={"hardware": EXAMPLE_SPEC.hardware.model_copy(update={"accelerator": "nvidia-h100"})}
+    )
+    pod = serving.deployment(EXAMPLE_MODEL, gpu_spec, OperatorSettings(dataplane_gpu_sharing=sharing))
+    pod_env = {
+        item["name"]: item.get("value") for item in pod["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert pod_env.get("MODELFLEET_GPU_SHARING") == ("mps" if sharing == "mps" else None)

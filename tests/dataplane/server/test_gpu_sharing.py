@@ -1,0 +1,173 @@
+"""MODELFLEET_GPU_SHARING=mps: the server's MPS control daemon, started before its engine processes, handed
+to them through their environment, and told to quit once they have ended.
+
+Without a GPU, a stand-in `nvidia-cuda-mps-control` on PATH records what the server asks of it (and, at
+`quit`, which engine processes still carry its pipe directory: MPS clients left behind). The GPU test runs the
+real daemon and checks that a CUDA process joins it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from modelfleet.dataplane.server.gpu_sharing import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon
+from modelfleet.dataplane.server.settings import ServerSettings
+
+from .conftest import engine_process_server
+
+STAND_IN = textwrap.dedent(
+    """\
+    #!{python}
+    # A stand-in for nvidia-cuda-mps-control: records each call; `-d` daemonizes (returns at once).
+    import json, os, sys
+    record = {{"argv": sys.argv[1:], "pipe": os.environ.get("{pipe}"), "log": os.environ.get("{log}")}}
+    if not sys.argv[1:]:
+        record["stdin"] = sys.stdin.read()
+        clients = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = open(f"/proc/{{pid}}/environ", "rb").read().split(b"\\0")
+            except OSError:
+                continue
+            spawned = b"spawn_main" in open(f"/proc/{{pid}}/cmdline", "rb").read()  # an engine process
+            if spawned and f"{pipe}={{record['pipe']}}".encode() in environ:
+                clients.append(int(pid))
+        record["clients"] = clients
+    with open(os.environ["STAND_IN_RECORD"], "a") as out:
+        out.write(json.dumps(record) + "\\n")
+    sys.exit(int(os.environ.get("STAND_IN_EXIT", "0")))
+    """
+)
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch) -> Path:
+    """PATH leads to the stand-in; returns the file its calls are recorded in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / CONTROL
+    control.write_text(STAND_IN.format(python=sys.executable, pipe=PIPE_ENV, log=LOG_ENV))
+    control.chmod(0o755)
+    record = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("STAND_IN_RECORD", str(record))
+    monkeypatch.delenv(PIPE_ENV, raising=False)
+    monkeypatch.delenv(LOG_ENV, raising=False)
+    return record
+
+
+def calls(record: Path) -> list[dict]:
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+
+def test_the_daemon_starts_with_its_own_folders_and_quits_with_them(stand_in) -> None:
+    environ = dict(os.environ)
+    daemon = MpsDaemon(environ=environ)
+    assert daemon.start()
+    (started,) = calls(stand_in)
+    assert started["argv"] == ["-d"]
+    pipe, log = Path(started["pipe"]), Path(started["log"])
+    assert pipe.is_dir() and log.is_dir() and pipe.parent == log.parent
+    assert environ[PIPE_ENV] == str(pipe) and environ[LOG_ENV] == str(log)  # what engine processes inherit
+    daemon.stop()
+    quit_call = calls(stand_in)[1]
+    assert quit_call["argv"] == [] and quit_call["stdin"] == "quit\n" and quit_call["pipe"] == str(pipe)
+    assert PIPE_ENV not in environ and LOG_ENV not in environ
+    assert not pipe.parent.exists()
+    daemon.stop()  # a second stop does nothing
+    assert len(calls(stand_in)) == 2
+
+
+def test_a_daemon_the_node_provides_is_used_and_left_alone(stand_in, tmp_path) -> None:
+    environ = {**os.environ, PIPE_ENV: str(tmp_path / "node-mps")}
+    daemon = MpsDaemon(environ=environ)
+    assert daemon.start()
+    daemon.stop()
+    assert calls(stand_in) == []
+    assert environ[PIPE_ENV] == str(tmp_path / "node-mps")
+
+
+def test_without_the_control_binary_the_server_warns_and_serves_time_sliced(tmp_path, caplog) -> None:
+    environ = {"PATH": str(tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="modelfleet.server"):
+        assert not MpsDaemon(environ=environ).start()
+    assert f"{CONTROL} is not on PATH" in caplog.text
+    assert PIPE_ENV not in environ
+
+
+def test_a_daemon_that_fails_to_start_is_reported_and_leaves_nothing(stand_in, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("STAND_IN_EXIT", "3")
+    environ = dict(os.environ)
+    with caplog.at_level(logging.WARNING, logger="modelfleet.server"):
+        assert not MpsDaemon(environ=environ).start()
+    assert f"{CONTROL} -d failed (3)" in caplog.text
+    (started,) = calls(stand_in)
+    assert not Path(started["pipe"]).parent.exists()
+    assert PIPE_ENV not in environ
+
+
+def test_the_servers_engine_process_joins_the_daemon_which_quits_after_it(stand_in, tiny_model_dir) -> None:
+    """The seam: the server (settings from the environment, as in a pod) starts the daemon before its
+    engine process, the process starts with the pipe directory in its environment, and `quit` comes once
+    no process carries it any more."""
+    os.environ["MODELFLEET_GPU_SHARING"] = "mps"
+    try:
+        settings = ServerSettings()
+    finally:
+        del os.environ["MODELFLEET_GPU_SHARING"]
+    assert settings.gpu_sharing == "mps"
+    with engine_process_server(settings, tiny_model_dir) as live:
+        pid = live.engine("tiny", "v1")._process.pid
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        pipe = calls(stand_in)[0]["pipe"]
+        assert f"{PIPE_ENV}={pipe}".encode() in environ
+    started, quit_call = calls(stand_in)
+    assert started["argv"] == ["-d"] and quit_call["stdin"] == "quit\n"
+    assert quit_call["clients"] == []  # the engine process had ended: no client left behind
+    assert PIPE_ENV not in os.environ
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_cuda_process_joins_the_servers_daemon(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not any(
+        os.access(os.path.join(d, CONTROL), os.X_OK) for d in os.environ["PATH"].split(os.pathsep)
+    ):
+        pytest.skip(f"needs an NVIDIA GPU and {CONTROL}")
+    environ = {k: v for k, v in os.environ.items() if k not in (PIPE_ENV, LOG_ENV)}
+    daemon = MpsDaemon(environ=environ)
+    assert daemon.start()
+    try:
+        client = subprocess.Popen(
+            [sys.executable, "-c", "import sys, torch; torch.ones(1, device='cuda'); sys.stdin.read()"],
+            env=environ,
+            stdin=subprocess.PIPE,
+        )
+        try:
+            servers = ""
+            for _ in range(100):  # the MPS server starts with its first client
+                servers = subprocess.run(
+                    [CONTROL], input="get_server_list\n", env=environ, capture_output=True, text=True
+                ).stdout.strip()
+                if servers:
+                    break
+                subprocess.run(["sleep", "0.2"])
+            assert servers, "no MPS server started for the CUDA process"
+            clients = subprocess.run(
+                [CONTROL],
+                input=f"get_client_list {servers.split()[0]}\n",
+                env=environ,
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            assert clients  # its pid as the host sees it: in a container, not the one Popen knows
+        finally:
+            client.communicate(b"", timeout=60)
+    finally:
+        daemon.stop()
