@@ -597,7 +597,8 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
 
 
 def run_pair(args, model_dir: Path, prompts: list[list[int]], relays: int | None, gpu_sharing: str) -> dict:
-    """The A/B case's load on one server holding two versions of the model, 50/50."""
+    """The A/B case's load on one server holding two versions of the model, 50/50, measured once the
+    server is warm (like the one version it is compared with, measured after the suite's first load)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
@@ -609,6 +610,7 @@ def run_pair(args, model_dir: Path, prompts: list[list[int]], relays: int | None
         )
         try:
             pair_args = with_concurrency(args, args.ab_streams)
+            asyncio.run(run_http(url, args.model_name, pair_args, prompts[: 2 * args.ab_streams]))  # warm-up
             return asyncio.run(
                 run_http(url, args.model_name, pair_args, prompts, by_version=True, server_pid=process.pid)
             )
