@@ -73,7 +73,8 @@ class MpsDaemon:
         return True
 
     def stop(self) -> None:
-        """After the engine processes have ended: the daemon quits, its folders go."""
+        """After the engine processes have ended. `quit` returns at once; the daemon ends when the last
+        process that used CUDA through it has (this server's own process may be one)."""
         if self.root is None:
             return
         root, self.root = self.root, None
