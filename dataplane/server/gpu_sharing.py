@@ -19,12 +19,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("modelfleet.server")
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe folder
 
 
 class MpsDaemon:
@@ -72,18 +74,52 @@ class MpsDaemon:
         log.info("GPU sharing: MPS control daemon started (pipes in %s)", env[PIPE_ENV])
         return True
 
-    def stop(self) -> None:
-        """After the engine processes have ended. `quit` returns at once; the daemon ends when the last
-        process that used CUDA through it has (this server's own process may be one)."""
+    def stop(self, timeout: float = 30.0) -> None:
+        """After the engine processes have ended: `quit`, which the daemon answers at once and carries
+        out after its clients have gone, then its folders, once it has exited (it shuts its MPS server
+        down through them: removed earlier, both stay running)."""
         if self.root is None:
             return
         root, self.root = self.root, None
         env = {**self.environ, PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
-        try:
-            subprocess.run([self.binary], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning("MPS control daemon: quit failed: %s", exc)
         for name in (PIPE_ENV, LOG_ENV):
             if self.environ.get(name) == env[name]:
                 del self.environ[name]
+        pid = _daemon_pid(root / "pipe")
+        try:
+            subprocess.run(
+                [self.binary], input="quit\n", env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("MPS control daemon: quit failed (%s); its folders stay: %s", exc, root)
+            return
+        if pid is not None and not _ended(pid, timeout):
+            log.warning(
+                "MPS control daemon %s: still running %.0f s after quit; its folders stay: %s",
+                pid,
+                timeout,
+                root,
+            )
+            return
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _daemon_pid(pipe: Path) -> int | None:
+    """The control daemon's pid, from the file it keeps in its pipe folder."""
+    try:
+        return int((pipe / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _ended(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            pass
+        time.sleep(0.05)
+    return False

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from modelfleet.dataplane.server.gpu_sharing import CONTROL, LOG_ENV, PIPE_ENV, MpsDaemon
+from modelfleet.dataplane.server.gpu_sharing import CONTROL, LOG_ENV, PID_FILE, PIPE_ENV, MpsDaemon
 from modelfleet.dataplane.server.settings import ServerSettings
 
 from .conftest import engine_process_server
@@ -25,24 +27,47 @@ from .conftest import engine_process_server
 STAND_IN = textwrap.dedent(
     """\
     #!{python}
-    # A stand-in for nvidia-cuda-mps-control: records each call; `-d` daemonizes (returns at once).
-    import json, os, sys
-    record = {{"argv": sys.argv[1:], "pipe": os.environ.get("{pipe}"), "log": os.environ.get("{log}")}}
-    if not sys.argv[1:]:
+    # A stand-in for nvidia-cuda-mps-control, recording each call. `-d` starts a daemon in the background
+    # (its pid in the pipe folder, as the real one keeps it) and returns. `quit` asks it to go: like the
+    # real one, it takes a moment and still needs its folders to shut down.
+    import json, os, subprocess, sys
+    pipe = os.environ.get("{pipe}")
+    record = {{"argv": sys.argv[1:], "pipe": pipe, "log": os.environ.get("{log}")}}
+    exit_code = int(os.environ.get("STAND_IN_EXIT", "0"))
+    if sys.argv[1:] == ["-d"] and exit_code == 0:
+        daemon = [sys.executable, __file__, "--daemon"]  # detached, as a daemon is: no inherited stdio
+        quiet = subprocess.DEVNULL
+        subprocess.Popen(daemon, start_new_session=True, stdin=quiet, stdout=quiet, stderr=quiet)
+        while not os.path.exists(os.path.join(pipe, "{pid_file}")):
+            pass
+    elif sys.argv[1:] == ["--daemon"]:
+        import time
+        with open(os.path.join(pipe, "{pid_file}"), "w") as out:
+            out.write(str(os.getpid()))
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.path.join(pipe, "quit")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not os.environ.get("STAND_IN_IGNORE_QUIT"):
+            time.sleep(0.3)
+            record["folders_at_exit"] = os.path.isdir(pipe) and os.path.isdir(record["log"])
+        else:
+            time.sleep(5)
+    elif not sys.argv[1:]:
         record["stdin"] = sys.stdin.read()
+        open(os.path.join(pipe, "quit"), "w").close()
         clients = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 environ = open(f"/proc/{{pid}}/environ", "rb").read().split(b"\\0")
+                spawned = b"spawn_main" in open(f"/proc/{{pid}}/cmdline", "rb").read()  # an engine process
             except OSError:
                 continue
-            spawned = b"spawn_main" in open(f"/proc/{{pid}}/cmdline", "rb").read()  # an engine process
-            if spawned and f"{pipe}={{record['pipe']}}".encode() in environ:
+            if spawned and f"{pipe_env}={{pipe}}".encode() in environ:
                 clients.append(int(pid))
         record["clients"] = clients
     with open(os.environ["STAND_IN_RECORD"], "a") as out:
         out.write(json.dumps(record) + "\\n")
-    sys.exit(int(os.environ.get("STAND_IN_EXIT", "0")))
+    sys.exit(exit_code)
     """
 )
 
@@ -53,7 +78,11 @@ def stand_in(tmp_path, monkeypatch) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     control = bin_dir / CONTROL
-    control.write_text(STAND_IN.format(python=sys.executable, pipe=PIPE_ENV, log=LOG_ENV))
+    control.write_text(
+        STAND_IN.format(
+            python=sys.executable, pipe=PIPE_ENV, log=LOG_ENV, pid_file=PID_FILE, pipe_env=PIPE_ENV
+        )
+    )
     control.chmod(0o755)
     record = tmp_path / "calls.jsonl"
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -76,13 +105,33 @@ def test_the_daemon_starts_with_its_own_folders_and_quits_with_them(stand_in) ->
     pipe, log = Path(started["pipe"]), Path(started["log"])
     assert pipe.is_dir() and log.is_dir() and pipe.parent == log.parent
     assert environ[PIPE_ENV] == str(pipe) and environ[LOG_ENV] == str(log)  # what engine processes inherit
+    pid = int((pipe / PID_FILE).read_text())
     daemon.stop()
-    quit_call = calls(stand_in)[1]
+    _, quit_call, exited = calls(stand_in)
     assert quit_call["argv"] == [] and quit_call["stdin"] == "quit\n" and quit_call["pipe"] == str(pipe)
-    assert PIPE_ENV not in environ and LOG_ENV not in environ
+    # stop returned once the daemon had exited, and its folders went after it, not under it
+    assert exited["argv"] == ["--daemon"] and exited["folders_at_exit"]
+    assert not Path(f"/proc/{pid}").exists()
     assert not pipe.parent.exists()
+    assert PIPE_ENV not in environ and LOG_ENV not in environ
     daemon.stop()  # a second stop does nothing
-    assert len(calls(stand_in)) == 2
+    assert len(calls(stand_in)) == 3
+
+
+def test_a_daemon_that_outlives_quit_keeps_its_folders(stand_in, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("STAND_IN_IGNORE_QUIT", "1")
+    daemon = MpsDaemon(environ=dict(os.environ))
+    assert daemon.start()
+    pipe = Path(calls(stand_in)[0]["pipe"])
+    pid = int((pipe / PID_FILE).read_text())
+    try:
+        with caplog.at_level(logging.WARNING, logger="modelfleet.server"):
+            daemon.stop(timeout=0.5)
+        assert f"MPS control daemon {pid}: still running" in caplog.text
+        assert pipe.is_dir()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(pipe.parent, ignore_errors=True)
 
 
 def test_a_daemon_the_node_provides_is_used_and_left_alone(stand_in, tmp_path) -> None:
@@ -128,8 +177,8 @@ def test_the_servers_engine_process_joins_the_daemon_which_quits_after_it(stand_
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         pipe = calls(stand_in)[0]["pipe"]
         assert f"{PIPE_ENV}={pipe}".encode() in environ
-    started, quit_call = calls(stand_in)
-    assert started["argv"] == ["-d"] and quit_call["stdin"] == "quit\n"
+    started, quit_call, exited = calls(stand_in)
+    assert started["argv"] == ["-d"] and quit_call["stdin"] == "quit\n" and exited["folders_at_exit"]
     assert quit_call["clients"] == []  # the engine process had ended: no client left behind
     assert PIPE_ENV not in os.environ
 
@@ -164,4 +213,6 @@ def test_on_the_gpu_a_cuda_process_joins_the_servers_daemon(tmp_path) -> None:
             client.communicate(b"", timeout=60)
         assert client.returncode == 0  # its CUDA work ran under MPS
     finally:
+        pid = int((Path(environ[PIPE_ENV]) / "nvidia-cuda-mps-control.pid").read_text())
         daemon.stop()
+    assert not Path(f"/proc/{pid}").exists()  # the daemon exited before stop returned
