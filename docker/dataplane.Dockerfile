@@ -48,8 +48,11 @@ RUN apt-get update \
     && groupadd --gid 10001 modelfleet \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin modelfleet
 COPY --from=build /opt/venv /opt/venv
-# The root filesystem is read-only in the cluster: every cache goes to /tmp (an emptyDir).
+# The root filesystem is read-only in the cluster: every cache goes to /tmp (an emptyDir). The driver's
+# compute capability has the NVIDIA container runtime mount nvidia-cuda-mps-control, the MPS daemon a
+# one-GPU pod's server starts for its versions (dataplane/server/gpu_sharing.py).
 ENV PATH=/opt/venv/bin:$PATH \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
     TRITON_CACHE_DIR=/tmp/triton \
