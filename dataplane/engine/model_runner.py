@@ -445,10 +445,10 @@ class ModelRunner:
             # a decode step: one input id per sequence
             return graphs.run(_graph_inputs(inputs), batch_size=len(inputs[0]))
         piecewise = self.piecewise_graphs
-        padded = None if piecewise is None or max_query_len == 1 else piecewise.padded_count(len(inputs[0]))
-        if padded is not None:
-            assert piecewise is not None  # padded is found only with the pieces
-            return piecewise.run(inputs, padded, max_query_len)
+        if piecewise is not None and max_query_len > 1:
+            padded = piecewise.padded_count(len(inputs[0]))
+            if padded is not None:  # else more tokens than the largest captured count
+                return piecewise.run(inputs, padded, max_query_len)
         return self._forward_eager(*inputs, max_query_len)
 
     def _forward_eager(

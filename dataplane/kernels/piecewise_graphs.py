@@ -25,11 +25,11 @@ import bisect
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from modelfleet.dataplane.attention.backend import AttentionBackend, RotaryFn
+from modelfleet.dataplane.attention.backend import AttentionBackend
 from modelfleet.dataplane.attention.metadata import AttentionMetadata
 from modelfleet.dataplane.kernels.cuda_graphs import PackedBuffers, take_inflight_ids
 
@@ -269,35 +269,12 @@ class _SplitAttention(AttentionBackend):
         self.runner = runner
         self.name = inner.name
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> None:
-        self.inner.write_kv(key, value, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    # The KV writes run in the piece as the model's backend runs them.
+    def write_kv(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.write_kv(*args, **kwargs)
 
-    def rope_and_write_kv(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        rotary: RotaryFn,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.rope_and_write_kv(
-            query, key, value, rotary, cos, sin, kv_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
-        )
+    def rope_and_write_kv(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.rope_and_write_kv(*args, **kwargs)
 
     def forward(
         self,

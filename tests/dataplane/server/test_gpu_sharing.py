@@ -162,15 +162,15 @@ def test_a_daemon_that_fails_to_start_is_reported_and_leaves_nothing(stand_in, m
     assert PIPE_ENV not in environ
 
 
-def test_the_servers_engine_process_joins_the_daemon_which_quits_after_it(stand_in, tiny_model_dir) -> None:
+def test_the_servers_engine_process_joins_the_daemon_which_quits_after_it(
+    stand_in, tiny_model_dir, monkeypatch
+) -> None:
     """The seam: the server (settings from the environment, as in a pod) starts the daemon before its
     engine process, the process starts with the pipe directory in its environment, and `quit` comes once
     no process carries it any more."""
-    os.environ["MODELFLEET_GPU_SHARING"] = "mps"
-    try:
+    with monkeypatch.context() as env:
+        env.setenv("MODELFLEET_GPU_SHARING", "mps")
         settings = ServerSettings()
-    finally:
-        del os.environ["MODELFLEET_GPU_SHARING"]
     assert settings.gpu_sharing == "mps"
     with engine_process_server(settings, tiny_model_dir) as live:
         pid = live.engine("tiny", "v1")._process.pid
