@@ -6,9 +6,13 @@ in a uvicorn subprocess; bench/serve.py's client streams completions from it at 
 Prints one JSON line: the server process's CPU microseconds per streamed token and what the client saw
 (throughput, TTFT, ITL). With --delivery both, a server whose stand-in engine wakes the event loop once
 per stream and step (the baseline) is measured first, in the same run. At 64 streams and a 3 ms step a
-server keeps up only below ~250 us per token.
+server keeps up only below ~250 us per token. With --gc-freeze both, a server whose heap the garbage
+collector walks in full (ServerSettings.gc_freeze off) is the baseline; --output-len 2 makes each
+request's own cost (routing, spans, admission, first chunk) most of what is measured.
 
     python bench/stream_overhead.py --num-prompts 256 --max-concurrency 64 --output-len 64 --delivery both
+    python bench/stream_overhead.py --num-prompts 4096 --max-concurrency 256 --input-len 128 --output-len 2 \
+        --gc-freeze both
 """
 
 from __future__ import annotations
@@ -148,7 +152,13 @@ def stand_in_process_engine(folder: str, step_s: float, stream_relays: int = 0):
 
 
 def serve(
-    port: int, step_ms: float, per_output: bool, loop: str, engine: str = "thread", stream_relays: int = 0
+    port: int,
+    step_ms: float,
+    per_output: bool,
+    loop: str,
+    engine: str = "thread",
+    stream_relays: int = 0,
+    gc_freeze: bool = True,
 ) -> None:
     import uvicorn
     from modelfleet.dataplane.manifest import single_model_manifest
@@ -159,7 +169,7 @@ def serve(
     write_word_tokenizer(folder, VOCAB)
     manifest = single_model_manifest(folder, name="bench")
     app = build_app(
-        ServerSettings(max_tokens_limit=100_000),
+        ServerSettings(max_tokens_limit=100_000, gc_freeze=gc_freeze),
         manifest,
         loader=lambda spec: (
             stand_in_process_engine(folder, step_ms / 1e3, stream_relays)
@@ -188,12 +198,13 @@ def stop_profiler(profiler: subprocess.Popen | None) -> None:
         profiler.wait(timeout=60)
 
 
-def measure(args: argparse.Namespace, delivery: str) -> dict:
-    """One server (with `delivery`), loaded by the client; the server's CPU time per token and the
-    client's summary."""
+def measure(args: argparse.Namespace, delivery: str, gc_freeze: bool = True) -> dict:
+    """One server (with `delivery`, its heap frozen or not), loaded by the client; the server's CPU time
+    per token and the client's summary."""
     port = free_port()
     command = [sys.executable, str(Path(__file__).resolve()), "--serve-port", str(port)]
     command += ["--step-ms", str(args.step_ms), "--delivery", delivery, "--loop", args.loop]
+    command += ["--gc-freeze", "on" if gc_freeze else "off"]
     command += ["--engine", args.engine, "--stream-relays", str(args.stream_relays)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -231,6 +242,7 @@ def measure(args: argparse.Namespace, delivery: str) -> dict:
     tokens = sum(r.output_tokens for r in results if r.ok)
     return {
         "delivery": delivery,
+        "gc_freeze": gc_freeze,
         "server_cpu_us_per_token": round(1e6 * cpu_s / max(tokens, 1), 1),
         "client": summary,
     }
@@ -277,6 +289,13 @@ def main() -> int:
         help="py-spy's samples of the server process during the load, collapsed stacks (one run: "
         "not with --delivery both)",
     )
+    parser.add_argument(
+        "--gc-freeze",
+        choices=["on", "off", "both"],
+        default="on",
+        help="the server's heap kept out of the garbage collector's full passes (ServerSettings.gc_freeze, "
+        "on by default), or not, or both in one run (off first: the baseline)",
+    )
     parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_port:
@@ -287,16 +306,23 @@ def main() -> int:
             args.loop,
             args.engine,
             args.stream_relays,
+            args.gc_freeze != "off",
         )
         return 0
 
-    if args.profile and args.delivery == "both":
-        parser.error("--profile records one server: give --delivery step or output")
+    if args.profile and "both" in (args.delivery, args.gc_freeze):
+        parser.error("--profile records one server: give one --delivery and one --gc-freeze")
+    if args.delivery == "both" and args.gc_freeze == "both":
+        parser.error("--delivery both and --gc-freeze both: one baseline per run")
     if args.engine == "process" and args.delivery != "step":
         parser.error("--engine process delivers as the engine process does: give --delivery step")
     if args.stream_relays and args.engine != "process":
         parser.error("--stream-relays: relays serve an engine process: give --engine process")
-    runs = [measure(args, d) for d in (["output", "step"] if args.delivery == "both" else [args.delivery])]
+    if args.gc_freeze == "both":
+        runs = [measure(args, args.delivery, gc_freeze) for gc_freeze in (False, True)]
+    else:
+        deliveries = ["output", "step"] if args.delivery == "both" else [args.delivery]
+        runs = [measure(args, d, args.gc_freeze == "on") for d in deliveries]
     report = {
         "bench": "stream_overhead",
         "num_prompts": args.num_prompts,
@@ -308,7 +334,12 @@ def main() -> int:
         "stream_relays": args.stream_relays,
         **runs[-1],
     }
-    if len(runs) == 2:
+    if args.gc_freeze == "both":
+        report["baseline_gc_freeze_off"] = runs[0]
+        report["cpu_per_token_vs_baseline"] = round(
+            runs[1]["server_cpu_us_per_token"] / max(runs[0]["server_cpu_us_per_token"], 1e-9), 3
+        )
+    elif len(runs) == 2:
         report["baseline_per_output_delivery"] = runs[0]
         report["cpu_per_token_vs_baseline"] = round(
             runs[1]["server_cpu_us_per_token"] / max(runs[0]["server_cpu_us_per_token"], 1e-9), 3

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import logging
 import multiprocessing
 import os
@@ -166,10 +165,6 @@ class AsyncLLMProcess(PromptChecks, ThreadedEngine):
             name = f"modelfleet-relay-io-{index}"
             link.reader = threading.Thread(target=self._read_relay, args=(link,), name=name, daemon=True)
             link.reader.start()
-        # What exists now (the libraries, the server) lives as long as the process: leave it out of
-        # full collections, which would otherwise scan it all and stall the event loop for tens of ms.
-        gc.collect()
-        gc.freeze()
 
     def _stop_relays(self) -> None:
         for link in self._relays:

@@ -13,7 +13,6 @@ next step's tokens sit; planning on tokens in flight would have to guess both.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from modelfleet.dataplane import heap
 from modelfleet.dataplane.config import PREFILL_WAIT_STEPS, EngineConfig, check_prefill_fits, token_budget
 from modelfleet.dataplane.engine.block_manager import BlockManager
 from modelfleet.dataplane.engine.detokenizer import Handover, IncrementalDetokenizer, stream_backend
@@ -214,8 +214,7 @@ class LLMEngine(PromptChecks):
             # A full garbage collection scans every object alive (the libraries', the model's: tens of
             # ms) and would stall the GPU in the middle of a step; what exists now lives as long as the
             # engine, so it is left out of collections from here on.
-            gc.collect()
-            gc.freeze()
+            heap.freeze(collect=True)
 
     def _warm_up(self) -> None:
         """Runs a few requests through every path of a step (a full-budget prefill chunk, its cached-

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
+from modelfleet.dataplane import heap
 from modelfleet.dataplane.manifest import ServingManifest
 from modelfleet.dataplane.server import loading
 from modelfleet.dataplane.server.app import create_app
@@ -50,6 +51,7 @@ def build_dataplane(
         load_retry_seconds=settings.load_retry_seconds,
         on_state=metrics.on_load_state,
         on_loaded=metrics.on_loaded,
+        freeze_heap=settings.gc_freeze,
     )
     keys = KeyStore(
         settings.api_key_file,
@@ -101,6 +103,8 @@ def build_app(
             grpc_server = GrpcServer(dataplane, settings.host, settings.grpc_port)
             await grpc_server.start()
             app.state.grpc_port = grpc_server.port
+        if settings.gc_freeze:
+            heap.freeze(collect=True)  # the start's heap, before any request (loads freeze theirs)
         try:
             yield
         finally:

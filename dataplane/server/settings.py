@@ -90,6 +90,14 @@ class ServerSettings(BaseSettings):
         "unset: one per 64 sequences of the engine's max_num_seqs (loading.STREAMS_PER_RELAY)",
     )
 
+    gc_freeze: bool = Field(
+        default=True,
+        description="keep what the server process holds once started, and once each version has loaded, "
+        "out of the garbage collector's full passes, each a pause of every request (dataplane/heap.py); an "
+        "unload collects once. false: the collector walks it all, as Python does by default (a GPU engine "
+        "keeps its own heap out regardless)",
+    )
+
     gpu_sharing: Literal["none", "mps"] = Field(
         default="none",
         description="how the engine processes of versions on one NVIDIA GPU share it: mps, through an MPS "

@@ -258,3 +258,40 @@ async def test_changed_artifact_loads_a_new_engine():
     await asyncio.sleep(0.01)
     assert loads.calls == ["v1", "v1"] and loads.closed == ["v1"]
     await mgr.close()
+
+
+class CyclicEngine(FakeEngine):
+    """An engine that holds itself (threads and callbacks do): only the garbage collector frees it."""
+
+    def __init__(self, version: str) -> None:
+        super().__init__(version=version)
+        self.me = self
+
+
+async def test_with_freeze_heap_a_loaded_engine_is_frozen_and_freed_on_unload():
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    made: list[weakref.ref] = []
+
+    def load(spec: VersionSpec) -> CyclicEngine:
+        engine = CyclicEngine(spec.version)
+        made.append(weakref.ref(engine))
+        return engine
+
+    clock = Clock()
+    mgr = ModelManager(
+        load, estimate_bytes=lambda s: 100, close=lambda engine: None, idle_unload_seconds=10,
+        clock=clock, freeze_heap=True,
+    )  # fmt: skip
+    try:
+        mgr.sync([spec("v1")])
+        await use(mgr, "v1")
+        assert gc.get_freeze_count() > 0 and made[0]() is not None
+        clock.now = 11
+        assert await mgr.unload_idle() == ["m@v1"]
+        assert made[0]() is None, "the unloaded engine's cycle was frozen and never collected"
+    finally:
+        await mgr.close()
+        gc.unfreeze()
