@@ -113,9 +113,13 @@ def engine_in_own_process(device: Any, cuda_available: bool) -> bool:
 
 
 def torch_cuda_available() -> bool:
+    """Whether torch sees a GPU, without initializing the CUDA driver in this process: device_count asks
+    NVML, where is_available calls cuInit. Under MPS (gpu_sharing.py) an initialized driver makes the
+    server a client of the daemon it started, for as long as it lives: told to quit at shutdown, the
+    daemon waited for the server itself (30 s, then its folders were left behind, and it ran on)."""
     import torch
 
-    return torch.cuda.is_available()
+    return torch.cuda.device_count() > 0
 
 
 def estimate_engine_bytes(spec: VersionSpec) -> int:

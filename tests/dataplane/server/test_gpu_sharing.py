@@ -216,3 +216,36 @@ def test_on_the_gpu_a_cuda_process_joins_the_servers_daemon(tmp_path) -> None:
         pid = int((Path(environ[PIPE_ENV]) / "nvidia-cuda-mps-control.pid").read_text())
         daemon.stop()
     assert not Path(f"/proc/{pid}").exists()  # the daemon exited before stop returned
+
+
+# The server process's own part, as it runs it: the daemon started, a version's loader asking whether
+# there is a GPU (loading.torch_cuda_available), then the stop at shutdown. Run in a process of its own: a
+# process that initialized CUDA before the daemon started is no client of it, whatever it asks later.
+SERVER_SIDE = """
+import time
+from modelfleet.dataplane.server.gpu_sharing import MpsDaemon
+from modelfleet.dataplane.server.loading import torch_cuda_available
+daemon = MpsDaemon()
+assert daemon.start()
+root = daemon.root
+assert torch_cuda_available()
+started = time.monotonic()
+daemon.stop(timeout=20)
+print(round(time.monotonic() - started, 2), root.exists())
+"""
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_server_is_no_client_of_its_daemon_which_quits_at_once() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not any(
+        os.access(os.path.join(d, CONTROL), os.X_OK) for d in os.environ["PATH"].split(os.pathsep)
+    ):
+        pytest.skip(f"needs an NVIDIA GPU and {CONTROL}")
+    environ = {k: v for k, v in os.environ.items() if k not in (PIPE_ENV, LOG_ENV)}
+    done = subprocess.run(
+        [sys.executable, "-c", SERVER_SIDE], env=environ, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, folders_left = done.stdout.split()
+    assert folders_left == "False" and float(seconds) < 10, (seconds, done.stderr[-2000:])
