@@ -152,13 +152,19 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     bookkeeping and `wait`), fill_wait: finish's wait for a fill still running on the worker thread, mask:
     queuing (on a GPU) or running (on the CPU) the masking, the padded ids' included. fill: xgrammar's
     bitmask fill, on whichever thread runs it (the worker's, unless serial). process: LLMEngine._process,
-    the previous step's tokens into outputs (the work a fill on the worker overlaps). The functions are
-    restored on exit: the timers' own cost (a timed call per accept) stays out of the step times measured
-    without them."""
+    the previous step's tokens into outputs (the work a fill on the worker overlaps). The step's phases
+    (schedule, launch, finish_launched) and, on a GPU, the graph path's parts: graphs_run (the forward
+    graph), head_run (a constrained step's head graph: inputs, the bitmask's copy, the replay, its
+    finish_into and fill_wait within), graph_sampled (the tokens' read-back queued), fill_start (handing
+    the fill to the worker thread). The functions are restored on exit: the timers' own cost (a timed
+    call per accept) stays out of the step times measured without them."""
     import xgrammar
     from modelfleet.dataplane.engine import structured
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
-    from modelfleet.dataplane.engine.sampler import SampledBatch
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+    from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
+    from modelfleet.dataplane.engine.scheduler import Scheduler
+    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
 
     def part(name: str, within: str | None = None) -> Callable:
         return lambda fn: timer.wrap(fn, name, within)
@@ -182,6 +188,15 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
             (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", part("fill")),
             (xgrammar, "apply_token_bitmask_inplace", part("mask")),
             (structured._PaddingMask, "apply", part("mask")),
+            # The step's phases, and a GPU's graph path (a constrained row's head graph after the fill).
+            (Scheduler, "schedule", part("schedule")),
+            (ModelRunner, "launch", part("launch")),
+            (LLMEngine, "_finish_launched", part("finish_launched")),
+            (DecodeGraphRunner, "run", part("graphs_run")),
+            (MaskedHeadGraphs, "run", part("head_run")),
+            (Sampler, "graph_sampled", part("graph_sampled")),
+            (structured._FillWorker, "start", part("fill_start")),
+            (structured.GrammarMasks, "finish_into", part("finish_into")),
         ]
     )
 
