@@ -4,10 +4,11 @@ CPython's cyclic collector walks every tracked object in a full (oldest-generati
 process meanwhile. A server or engine process holds hundreds of thousands of objects from its start that
 live as long as it does (imported modules, pydantic schemas, the tokenizer, the model's modules), and its
 requests keep promoting objects that live a few seconds, so full passes come every few thousand requests.
-Measured on the 2-core development machine, the server with a stand-in engine (265k tracked objects, the
-app alone in its process, 4,096 streamed requests): 5 full passes of 164 ms each, each one a pause of the
-event loop that every request then in flight waits out; 358 us of the event loop's time per request.
-With the start's heap frozen: 225 us per request, the passes 25 ms each.
+On the 2-core development machine, the server with a stand-in engine on a thread, 4,096 requests at 256
+streams (`bench/stream_overhead.py --output-len 2 --gc-freeze both`): frozen, the server's CPU per
+streamed token went from 488 to 303 us and the TTFT p99 from 405 to 283 ms. Not frozen, a probe of the
+same load in one process counted five full passes of 164 ms each, each a pause of the event loop that
+every request then in flight waits out.
 
 `freeze` moves what the process holds now into the collector's permanent generation (gc.freeze), which
 no pass walks; reference counting still frees those objects as ever, only a cycle among them is no longer
