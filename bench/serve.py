@@ -22,12 +22,17 @@ JSON schema (response_format), against one server in the same run; one JSON line
         --max-concurrency 64 --input-len 128 --output-len 128 [--rounds 5]
 --rounds N repeats the pair N times, alternating, and prints the ratios' median and spread last: on a GPU
 host one pair's ratio moves by +-0.08 with no change at all.
+
+The suite's A/B case (two versions 50/50 on one device) runs on a server of its own: --ab-rounds rounds of
+the pair, then one version alone on that server (`name@a`), alternating; the line gives each round's ratio
+and their median.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib.util
 import json
 import os
@@ -550,7 +555,6 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
         "uvloop": importlib.util.find_spec("uvloop") is not None,  # uvicorn's loop when installed
         "aiohttp_client": aiohttp is not None,
     }
-    points = sorted(set(streams) | {args.ab_streams})
     relay_counts = args.stream_relays or [None]  # None: the server's own default
     served: dict[int | None, dict[int, dict]] = {}
     engine_alone: list[dict] = []
@@ -558,7 +562,7 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
         served[relays] = {}
         process, url = start_server(model_dir, args.model_name, args.engine, stream_relays=relays)
         try:
-            for n in points:
+            for n in streams:
                 served[relays][n] = asyncio.run(
                     run_http(url, args.model_name, with_concurrency(args, n), prompts, server_pid=process.pid)
                 )
@@ -575,10 +579,11 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
             line = {**base, "case": "streams", "max_concurrency": n, "stream_relays": relays}
             line.update(server=server, engine_baseline=alone, **ratios(server, alone))
             print(json.dumps(line), flush=True)
-    alone = served[relay_counts[-1]][args.ab_streams]
     for sharing in args.ab_gpu_sharing:
-        pair = run_pair(args, model_dir, prompts, relay_counts[-1], sharing)
-        failed += pair["failed"]
+        rounds = run_pair(args, model_dir, prompts, relay_counts[-1], sharing)
+        failed += sum(r["pair"]["failed"] + r["one_version"]["failed"] for r in rounds)
+        ratios_ = [r["pair_vs_one_output_throughput"] for r in rounds]
+        middle = sorted(rounds, key=lambda r: r["pair_vs_one_output_throughput"])[len(rounds) // 2]
         line = {
             **base,
             "case": "ab_50_50",
@@ -586,19 +591,26 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
             # what the operator gives a one-GPU NVIDIA pod (mps), or time-slicing (none)
             "gpu_sharing": sharing,
             "mps_control": shutil.which("nvidia-cuda-mps-control"),
-            "pair": pair,
-            "one_version": alone,
+            "pair": middle["pair"],  # the round of the median ratio
+            "one_version": middle["one_version"],
+            "pair_vs_one_output_throughput": round(statistics.median(ratios_), 3),
+            "pair_vs_one_ratios": ratios_,
+            "pair_output_tok_s": [r["pair"]["output_throughput_tok_s"] for r in rounds],
+            "one_version_output_tok_s": [r["one_version"]["output_throughput_tok_s"] for r in rounds],
         }
-        line["pair_vs_one_output_throughput"] = round(
-            pair["output_throughput_tok_s"] / max(alone["output_throughput_tok_s"], 1e-9), 3
-        )
         print(json.dumps(line), flush=True)
     return 0 if failed == 0 else 1
 
 
-def run_pair(args, model_dir: Path, prompts: list[list[int]], relays: int | None, gpu_sharing: str) -> dict:
-    """The A/B case's load on one server holding two versions of the model, 50/50, measured once the
-    server is warm (like the one version it is compared with, measured after the suite's first load)."""
+def run_pair(
+    args, model_dir: Path, prompts: list[list[int]], relays: int | None, gpu_sharing: str
+) -> list[dict]:
+    """The A/B case on one server holding two versions of the model, 50/50, once warm: each of
+    --ab-rounds rounds loads the pair (the model's name: the split), then one version alone on the same
+    server (`name@a`: every request to version a, b idle), so that the host's drift between rounds falls
+    on both. (One version on a server of its own, as measured before, moved 36-63k output tokens/s between
+    runs on one H200 host while the pair stayed at 47-49k.) Version a holds half the KV bytes here, far
+    more than --ab-streams sequences need."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
@@ -611,9 +623,14 @@ def run_pair(args, model_dir: Path, prompts: list[list[int]], relays: int | None
         try:
             pair_args = with_concurrency(args, args.ab_streams)
             asyncio.run(run_http(url, args.model_name, pair_args, prompts[: 2 * args.ab_streams]))  # warm-up
-            return asyncio.run(
-                run_http(url, args.model_name, pair_args, prompts, by_version=True, server_pid=process.pid)
-            )
+            rounds = []
+            for _ in range(args.ab_rounds):
+                load = functools.partial(run_http, by_version=True, server_pid=process.pid)
+                pair = asyncio.run(load(url, args.model_name, pair_args, prompts))
+                one = asyncio.run(load(url, f"{args.model_name}@a", pair_args, prompts))
+                ratio = round(pair["output_throughput_tok_s"] / max(one["output_throughput_tok_s"], 1e-9), 3)
+                rounds.append({"pair": pair, "one_version": one, "pair_vs_one_output_throughput": ratio})
+            return rounds
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -808,6 +825,13 @@ def main() -> int:
     )
     parser.add_argument("--ab-streams", type=int, default=128, help="concurrency of the suite's A/B case")
     parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=2,
+        help="the A/B case's rounds on its server, each the pair then one version alone; the line gives "
+        "each round's ratio and their median",
+    )
+    parser.add_argument(
         "--ab-gpu-sharing",
         nargs="+",
         choices=["mps", "none"],
@@ -847,8 +871,8 @@ def main() -> int:
         "line gives the ratios' median and spread",
     )
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error("--rounds: at least 1")
+    if args.rounds < 1 or args.ab_rounds < 1:
+        parser.error("--rounds and --ab-rounds: at least 1")
 
     model_dir = args.model
     if args.demo:

@@ -57,3 +57,22 @@ def test_cpu_seconds_reads_this_process(serve_bench):
     while time.process_time() < deadline:
         pass
     assert serve_bench.cpu_seconds(os.getpid()) - before >= 0.15
+
+
+def test_the_ab_case_alternates_the_pair_and_one_version_on_one_server(tiny_model_dir, serve_bench):
+    """bench/serve.py's A/B case: each round loads the 50/50 pair, then version a alone (pinned) on the
+    same server; the pair's answers come from both versions, the one version's from a alone."""
+    prompts = serve_bench.random_prompts(24, 8, 200, seed=0)  # all to one version: 2 in 2**24
+    args = argparse.Namespace(
+        model_name="tiny", engine=["max_model_len=256"], ab_streams=4, ab_rounds=2, output_len=4,
+        request_rate=float("inf"), max_concurrency=None, seed=0, input_len=8, client_processes=1,
+    )  # fmt: skip
+    rounds = serve_bench.run_pair(args, tiny_model_dir, prompts, relays=None, gpu_sharing="none")
+    assert len(rounds) == 2
+    for r in rounds:
+        pair, one = r["pair"], r["one_version"]
+        assert (pair["completed"], one["completed"]) == (24, 24), (pair["first_error"], one["first_error"])
+        assert set(pair["versions"]) == {"a", "b"} and set(one["versions"]) == {"a"}
+        assert r["pair_vs_one_output_throughput"] == round(
+            pair["output_throughput_tok_s"] / one["output_throughput_tok_s"], 3
+        )
