@@ -160,11 +160,7 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     call per accept) stays out of the step times measured without them."""
     import xgrammar
     from modelfleet.dataplane.engine import structured
-    from modelfleet.dataplane.engine.llm_engine import LLMEngine
-    from modelfleet.dataplane.engine.model_runner import ModelRunner
-    from modelfleet.dataplane.engine.sampler import SampledBatch, Sampler
-    from modelfleet.dataplane.engine.scheduler import Scheduler
-    from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
+    from modelfleet.dataplane.engine.sampler import SampledBatch
 
     def part(name: str, within: str | None = None) -> Callable:
         return lambda fn: timer.wrap(fn, name, within)
@@ -175,7 +171,7 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     masks = structured.GrammarMasks
     return patched(
         [
-            (LLMEngine, "_process", part("process")),
+            *((owner, attribute, part(name)) for owner, attribute, name in step_phases()),
             *(
                 (masks, name, part("structured"))
                 for name in ("begin", "finish", "finish_bitmask", "finish_into")
@@ -188,27 +184,38 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
             (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", part("fill")),
             (xgrammar, "apply_token_bitmask_inplace", part("mask")),
             (structured._PaddingMask, "apply", part("mask")),
-            # The step's phases, and a GPU's graph path (a constrained row's head graph after the fill).
-            (Scheduler, "schedule", part("schedule")),
-            (ModelRunner, "launch", part("launch")),
-            (LLMEngine, "_finish_launched", part("finish_launched")),
-            (DecodeGraphRunner, "run", part("graphs_run")),
-            (MaskedHeadGraphs, "run", part("head_run")),
-            (Sampler, "graph_sampled", part("graph_sampled")),
-            (structured._FillWorker, "start", part("fill_start")),
-            (structured.GrammarMasks, "finish_into", part("finish_into")),
+            (masks, "finish_into", part("finish_into")),
         ]
     )
 
 
-def labelled_phases() -> contextlib.AbstractContextManager[None]:
-    """Names the engine's host phases in a profiler trace (record_function ranges), while inside."""
+def step_phases() -> list[tuple[object, str, str]]:
+    """An engine step's phases and a GPU's graph path's parts (a constrained row's head graph runs after
+    the fill), as (owner, attribute, name): timed by timed_parts, named in traces by labelled_phases."""
     from modelfleet.dataplane.engine import structured
     from modelfleet.dataplane.engine.llm_engine import LLMEngine
     from modelfleet.dataplane.engine.model_runner import ModelRunner
     from modelfleet.dataplane.engine.sampler import Sampler
     from modelfleet.dataplane.engine.scheduler import Scheduler
     from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
+
+    return [
+        (LLMEngine, "_process", "process"),
+        (LLMEngine, "_finish_launched", "finish_launched"),
+        (Scheduler, "schedule", "schedule"),
+        (ModelRunner, "launch", "launch"),
+        (DecodeGraphRunner, "run", "graphs_run"),
+        (MaskedHeadGraphs, "run", "head_run"),
+        (Sampler, "graph_sampled", "graph_sampled"),
+        (structured._FillWorker, "start", "fill_start"),
+    ]
+
+
+def labelled_phases() -> contextlib.AbstractContextManager[None]:
+    """Names the engine's host phases in a profiler trace (record_function ranges), while inside."""
+    from modelfleet.dataplane.engine import structured
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+    from modelfleet.dataplane.engine.sampler import Sampler
 
     def label(name: str) -> Callable:
         def wrap(fn: Callable) -> Callable:
@@ -223,20 +230,13 @@ def labelled_phases() -> contextlib.AbstractContextManager[None]:
 
     return patched(
         [
-            (LLMEngine, "_process", label("process")),
-            (LLMEngine, "_finish_launched", label("finish_launched")),
-            (Scheduler, "schedule", label("schedule")),
-            (ModelRunner, "launch", label("launch")),
+            *((owner, attribute, label(name)) for owner, attribute, name in step_phases()),
             (ModelRunner, "_sample", label("launch_sample")),
             # a constrained step's parts
             (Sampler, "begin_masks", label("begin_masks")),
             (Sampler, "fused_parameters", label("fused_parameters")),
-            (Sampler, "graph_sampled", label("graph_sampled")),
             (structured, "_follow_tokens", label("follow")),
-            (structured._FillWorker, "start", label("fill_start")),
             (structured._FillWorker, "wait", label("fill_wait")),
-            (DecodeGraphRunner, "run", label("graphs_run")),
-            (MaskedHeadGraphs, "run", label("head_run")),
         ]
     )
 
