@@ -346,10 +346,15 @@ def structured_summary(lines: list[dict]) -> dict | None:
     ]
     if not ratios:
         return None
+    return rounds_summary("structured_vs_plain", ratios)
+
+
+def rounds_summary(name: str, ratios: list[float]) -> dict:
+    """Several rounds' ratios under `name`, with their median and spread."""
     return {
-        "structured_vs_plain_ratios": ratios,
-        "structured_vs_plain_median": round(statistics.median(ratios), 3),
-        "structured_vs_plain_spread": round(max(ratios) - min(ratios), 3),
+        f"{name}_ratios": ratios,
+        f"{name}_median": round(statistics.median(ratios), 3),
+        f"{name}_spread": round(max(ratios) - min(ratios), 3),
     }
 
 
@@ -582,7 +587,7 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
     for sharing in args.ab_gpu_sharing:
         rounds = run_pair(args, model_dir, prompts, relay_counts[-1], sharing)
         failed += sum(r["pair"]["failed"] + r["one_version"]["failed"] for r in rounds)
-        ratios_ = [r["pair_vs_one_output_throughput"] for r in rounds]
+        summary = rounds_summary("pair_vs_one", [r["pair_vs_one_output_throughput"] for r in rounds])
         middle = sorted(rounds, key=lambda r: r["pair_vs_one_output_throughput"])[len(rounds) // 2]
         line = {
             **base,
@@ -593,8 +598,8 @@ def run_suite(args, model_dir: Path, prompts: list[list[int]]) -> int:
             "mps_control": shutil.which("nvidia-cuda-mps-control"),
             "pair": middle["pair"],  # the round of the median ratio
             "one_version": middle["one_version"],
-            "pair_vs_one_output_throughput": round(statistics.median(ratios_), 3),
-            "pair_vs_one_ratios": ratios_,
+            "pair_vs_one_output_throughput": summary["pair_vs_one_median"],
+            **summary,
             "pair_output_tok_s": [r["pair"]["output_throughput_tok_s"] for r in rounds],
             "one_version_output_tok_s": [r["one_version"]["output_throughput_tok_s"] for r in rounds],
         }
@@ -623,9 +628,9 @@ def run_pair(
         try:
             pair_args = with_concurrency(args, args.ab_streams)
             asyncio.run(run_http(url, args.model_name, pair_args, prompts[: 2 * args.ab_streams]))  # warm-up
+            load = functools.partial(run_http, by_version=True, server_pid=process.pid)
             rounds = []
             for _ in range(args.ab_rounds):
-                load = functools.partial(run_http, by_version=True, server_pid=process.pid)
                 pair = asyncio.run(load(url, args.model_name, pair_args, prompts))
                 one = asyncio.run(load(url, f"{args.model_name}@a", pair_args, prompts))
                 ratio = round(pair["output_throughput_tok_s"] / max(one["output_throughput_tok_s"], 1e-9), 3)

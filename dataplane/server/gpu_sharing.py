@@ -53,7 +53,7 @@ class MpsDaemon:
             )
             return False
         root = Path(tempfile.mkdtemp(prefix="modelfleet-mps-"))
-        env = {**self.environ, PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
+        env = self._daemon_env(root)
         (root / "pipe").mkdir()
         (root / "log").mkdir()
         try:
@@ -82,7 +82,7 @@ class MpsDaemon:
         if self.root is None:
             return
         root, self.root = self.root, None
-        env = {**self.environ, PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
+        env = self._daemon_env(root)
         for name in (PIPE_ENV, LOG_ENV):
             if self.environ.get(name) == env[name]:
                 del self.environ[name]
@@ -103,6 +103,10 @@ class MpsDaemon:
             )
             return
         shutil.rmtree(root, ignore_errors=True)
+
+    def _daemon_env(self, root: Path) -> dict[str, str]:
+        """The environment that names the daemon under `root`: its pipe and log folders."""
+        return {**self.environ, PIPE_ENV: str(root / "pipe"), LOG_ENV: str(root / "log")}
 
 
 def _daemon_pid(pipe: Path) -> int | None:

@@ -183,14 +183,19 @@ def test_the_servers_engine_process_joins_the_daemon_which_quits_after_it(
     assert PIPE_ENV not in os.environ
 
 
-@pytest.mark.gpu
-def test_on_the_gpu_a_cuda_process_joins_the_servers_daemon(tmp_path) -> None:
+@pytest.fixture
+def gpu_environ() -> dict[str, str]:
+    """This environment without any MPS daemon's folders, on a host with an NVIDIA GPU and the real
+    control binary (else the test is skipped)."""
     torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or not any(
-        os.access(os.path.join(d, CONTROL), os.X_OK) for d in os.environ["PATH"].split(os.pathsep)
-    ):
+    if not torch.cuda.is_available() or shutil.which(CONTROL) is None:
         pytest.skip(f"needs an NVIDIA GPU and {CONTROL}")
-    environ = {k: v for k, v in os.environ.items() if k not in (PIPE_ENV, LOG_ENV)}
+    return {k: v for k, v in os.environ.items() if k not in (PIPE_ENV, LOG_ENV)}
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_cuda_process_joins_the_servers_daemon(gpu_environ) -> None:
+    environ = gpu_environ
     daemon = MpsDaemon(environ=environ)
     assert daemon.start()
     try:
@@ -236,13 +241,8 @@ print(round(time.monotonic() - started, 2), root.exists())
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_the_server_is_no_client_of_its_daemon_which_quits_at_once() -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available() or not any(
-        os.access(os.path.join(d, CONTROL), os.X_OK) for d in os.environ["PATH"].split(os.pathsep)
-    ):
-        pytest.skip(f"needs an NVIDIA GPU and {CONTROL}")
-    environ = {k: v for k, v in os.environ.items() if k not in (PIPE_ENV, LOG_ENV)}
+def test_on_the_gpu_the_server_is_no_client_of_its_daemon_which_quits_at_once(gpu_environ) -> None:
+    environ = gpu_environ
     done = subprocess.run(
         [sys.executable, "-c", SERVER_SIDE], env=environ, capture_output=True, text=True, timeout=120
     )
