@@ -154,9 +154,9 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     bitmask fill, on whichever thread runs it (the worker's, unless serial). process: LLMEngine._process,
     the previous step's tokens into outputs (the work a fill on the worker overlaps). The step's phases
     (schedule, launch, finish_launched) and, on a GPU, the graph path's parts: graphs_run (the forward
-    graph), head_run (a constrained step's head graph: inputs, the bitmask's copy, the replay, its
-    finish_into and fill_wait within), graph_sampled (the tokens' read-back queued), fill_start (handing
-    the fill to the worker thread). The functions are restored on exit: the timers' own cost (a timed
+    graph), head_run (a constrained step's head graph: its inputs, the bitmask filled into them, their
+    one copy and the replay), graph_sampled (the tokens' read-back queued), fill_start (handing the
+    fill to the worker thread). The functions are restored on exit: the timers' own cost (a timed
     call per accept) stays out of the step times measured without them."""
     import xgrammar
     from modelfleet.dataplane.engine import structured
@@ -172,10 +172,7 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     return patched(
         [
             *((owner, attribute, part(name)) for owner, attribute, name in step_phases()),
-            *(
-                (masks, name, part("structured"))
-                for name in ("begin", "finish", "finish_bitmask", "finish_into")
-            ),
+            *((masks, name, part("structured")) for name in ("begin", "finish", "finish_bitmask", "wait")),
             (xgrammar.GrammarMatcher, "accept_token", accept),
             (structured, "_accept_tokens", accept),
             (structured, "_follow_tokens", part("follow", "structured")),
@@ -184,7 +181,6 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
             (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", part("fill")),
             (xgrammar, "apply_token_bitmask_inplace", part("mask")),
             (structured._PaddingMask, "apply", part("mask")),
-            (masks, "finish_into", part("finish_into")),
         ]
     )
 

@@ -351,20 +351,17 @@ class ModelRunner:
         seqs = [s.seq for s in out.scheduled]
         graphs.run(_graph_inputs(inputs), batch_size=len(seqs))
         temperature, seeds = sampler.fused_parameters(seqs)
-        begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device)
+        head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
+        begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, head.host_bits())
         for row, seq in enumerate(seqs):
             seq.sample_row = row
-        vocab = next(s.grammar.vocab for s in seqs if s.grammar is not None)
-        head = self._masked_head(vocab)
         masks = sampler.grammar_masks
 
         @torch.inference_mode()
         def finish() -> SampledBatch:
-            if begun is None:  # every grammar has ended: nothing to mask
-                pairs = head.run(len(seqs), temperature, seeds, lambda bits: [])
-            else:
-                pairs = head.run(len(seqs), temperature, seeds, functools.partial(masks.finish_into, begun))
-            return sampler.graph_sampled(pairs, seqs)
+            # None: every grammar has ended, nothing to mask
+            rows = [] if begun is None else masks.wait(begun)
+            return sampler.graph_sampled(head.run(len(seqs), temperature, seeds, rows), seqs)
 
         return LaunchedStep(len(seqs), list(range(len(seqs))), None, finish)
 

@@ -195,11 +195,16 @@ class Sampler:
         return PendingSample(self, finish, masks)
 
     def _begin_grammars(
-        self, shape: tuple[int, int], device: torch.device, seqs: list[Sequence], overlap: bool
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        seqs: list[Sequence],
+        overlap: bool,
+        into: torch.Tensor | None = None,
     ) -> BegunMasks | None:
         if all(s.grammar is None for s in seqs):
             return None
-        return self.grammar_masks.begin(shape, device, seqs, self._previous, background=overlap)
+        return self.grammar_masks.begin(shape, device, seqs, self._previous, background=overlap, into=into)
 
     @property
     def grammar_masks(self) -> GrammarMasks:
@@ -209,13 +214,19 @@ class Sampler:
         return self._grammar_masks
 
     def begin_masks(
-        self, seqs: list[Sequence], vocab_size: int, device: torch.device, *, overlap: bool = True
+        self,
+        seqs: list[Sequence],
+        vocab_size: int,
+        device: torch.device,
+        into: torch.Tensor,
+        *,
+        overlap: bool = True,
     ) -> BegunMasks | None:
         """The grammars' half of a step whose sampling runs elsewhere (a decode graph's masked head,
-        ModelRunner): the matchers follow the previous batch's tokens, then the bitmask fills (on the
-        worker thread with `overlap`); `grammar_masks.finish_into` ends it. None: no row is constrained
-        any more."""
-        return self._begin_grammars((len(seqs), vocab_size), device, seqs, overlap)
+        ModelRunner): the matchers follow the previous batch's tokens, then the bitmask fills into `into`
+        (the head's host buffer; on the worker thread with `overlap`); `grammar_masks.wait` ends it.
+        None: no row is constrained any more."""
+        return self._begin_grammars((len(seqs), vocab_size), device, seqs, overlap, into)
 
     def _mask(self, logits: torch.Tensor, masks: BegunMasks | None) -> torch.Tensor:
         if masks is None:

@@ -15,7 +15,9 @@ Where the work happens:
   forward of step n+1 runs on the device while the host waits for step n's tokens and fills n+1's
   masks); then one batched fill of a reused bitmask, on a worker thread while the engine thread goes
   on (it processes step n's tokens, returns the outputs and plans step n+2: LLMEngine.step); then,
-  just before step n+2 is launched (finish), one copy of it to the device and one masking kernel.
+  just before step n+2 is launched (finish), one copy of it to the device and one masking kernel. On a
+  GPU's decode graphs the bitmask fills straight into the masked sampling head's pinned inputs and goes
+  over with them, in their one copy (MaskedHeadGraphs.host_bits).
 
 Strings of bounded length (maxLength) are compiled as one rule per character written rather than as
 xgrammar's counted repetition (`bounded_strings_as_chains`): the same language and masks, but masks
@@ -327,6 +329,7 @@ class BegunMasks:
     rows: list[int]
     vocab: GrammarVocab
     num_rows: int
+    host: torch.Tensor  # the bitmask it fills
     fill: _FillWorker | None  # None: filled already
 
 
@@ -389,8 +392,8 @@ class GrammarMasks:
     The work comes in two halves so that the engine thread can do other work while the fill runs:
     `begin` (the accepts, then the fill started on a worker thread: xgrammar's fill holds no GIL) and
     `finish` (the wait for the fill, the copy and the masking) or, for the fused GPU sampler,
-    `finish_bitmask` (the wait and the copy: the sampling kernel reads the bitmask itself); `apply` is
-    begin and finish at once."""
+    `finish_bitmask` (the wait and the copy: the sampling kernel reads the bitmask itself) or, for a
+    bitmask filled into the caller's buffer (begin's `into`), `wait`; `apply` is begin and finish at once."""
 
     def __init__(self, threads: int | str = "auto") -> None:
         xgrammar = _xgrammar()
@@ -421,10 +424,13 @@ class GrammarMasks:
         previous: SampledBatch | None,
         *,
         background: bool,
+        into: torch.Tensor | None = None,
     ) -> BegunMasks | None:
         """Brings the matchers up to date (this waits for `previous`'s tokens), then fills their bitmask:
         on the worker thread if `background` (returned once the worker holds the fill), else here. None
-        where no row is constrained any more. `shape` and `device`: the step's logits' (rows, model ids)."""
+        where no row is constrained any more. `shape` and `device`: the step's logits' (rows, model ids).
+        The bitmask fills this sampler's host buffer, or `into` (int32 [>= rows, words] on the host, free
+        to fill: a graph's pinned input buffer, sent with its other inputs; `wait` ends such a step)."""
         live = _follow_tokens(seqs, previous)
         if not live:
             return None
@@ -433,15 +439,18 @@ class GrammarMasks:
         num_rows, width = shape
         if width != vocab.model_size:
             raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
-        host = self._host_buffer(num_rows, bitmask_layout(vocab).words, device)
+        words = bitmask_layout(vocab).words
+        host = self._host_buffer(num_rows, words, device) if into is None else into
+        if host.shape[0] < num_rows or host.shape[1] != words or host.element_size() != 4:
+            raise ValueError(f"a bitmask buffer of {tuple(host.shape)} for {num_rows} rows of {words} int32")
         matchers = [g.matcher for _, g in live]
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
-            return BegunMasks(rows, vocab, num_rows, None)
+            return BegunMasks(rows, vocab, num_rows, host, None)
         if self._worker is None:
             self._worker = _FillWorker()
         self._worker.start(self._filler, matchers, host, rows)
-        return BegunMasks(rows, vocab, num_rows, self._worker)
+        return BegunMasks(rows, vocab, num_rows, host, self._worker)
 
     def finish(self, begun: BegunMasks, logits: torch.Tensor) -> torch.Tensor:
         """Waits for the fill (raising its error, if any), then masks `logits` in place: one copy of the
@@ -482,11 +491,10 @@ class GrammarMasks:
         bits = host if device.type == "cpu" else self._to_device(host)
         return TokenBitmask(bits, direct, self._far_ids[1], flags)
 
-    def finish_into(self, begun: BegunMasks, out: torch.Tensor) -> list[int]:
-        """Waits for the fill (raising its error, if any), then queues the copy of its bitmask rows into
-        the leading rows of `out` (int32 [>= rows, words] on the device: a graph's static buffer, read by
-        the sampling kernel as TokenBitmask.bits); returns the rows it masks."""
-        self._to_device(self._filled_host(begun), out)
+    def wait(self, begun: BegunMasks) -> list[int]:
+        """Waits for a fill into a buffer of the caller's (begin's `into`), raising its error, if any; the
+        rows it masks."""
+        self._filled_host(begun)
         return begun.rows
 
     def _all_rows(self, num_rows: int, device: torch.device) -> torch.Tensor:
@@ -502,14 +510,12 @@ class GrammarMasks:
         """The host bitmask's rows of this step, once filled."""
         if begun.fill is not None:
             begun.fill.wait()
-        assert self._host is not None  # made by begin
-        return self._host[: begun.num_rows]
+        return begun.host[: begun.num_rows]
 
-    def _to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Queues the host bitmask's copy to the device buffer, or to `out` (the event marks it queued)."""
-        out = self._device if out is None else out
-        assert out is not None  # made with the pinned host buffer
-        bitmask = out[: host.shape[0]].copy_(host, non_blocking=True)
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Queues the host bitmask's copy to the device buffer (the event marks it queued)."""
+        assert self._device is not None  # made with the pinned host buffer
+        bitmask = self._device[: host.shape[0]].copy_(host, non_blocking=True)
         self._copied.record()
         return bitmask
 

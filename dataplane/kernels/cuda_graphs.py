@@ -221,30 +221,35 @@ class MaskedHeadGraphs:
         self.layout = (words, num_direct, tuple(far_ids))
         device = runner.buffers["temperature"].device
         rows = runner.max_batch
-        self.bits = torch.zeros(rows, words, dtype=torch.int32, device=device)
+        # The bitmask is the largest input, so the mirror's last: a step sends the rows it has alone.
         self.packing = PackedBuffers(
             {
                 "temperature": torch.zeros(rows, dtype=torch.float32, device=device),
                 "masked_rows": torch.zeros(rows, dtype=torch.int32, device=device),
                 "seeds": torch.zeros(rows, dtype=torch.long, device=device),
+                "bits": torch.zeros(rows, words, dtype=torch.int32, device=device),
             }
         )
+        self._host_bits = self.packing.host_tensors["bits"]
         self.far_ids = torch.tensor(far_ids, dtype=torch.int32, device=device)
         self.staged = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
+    def host_bits(self) -> torch.Tensor:
+        """The bitmask's place in the pinned input mirror (int32 [max_batch, words]), free to fill: the
+        copy out of the mirror queued last has run. The grammars fill their rows there (GrammarMasks.begin
+        with `into`), and `run` sends them with the step's other inputs: no copy of their own."""
+        self.staged.synchronize()
+        return self._host_bits
+
     @torch.inference_mode()
     def run(
-        self,
-        batch_size: int,
-        temperature: np.ndarray,
-        seeds: np.ndarray,
-        fill_bits: Callable[[torch.Tensor], list[int]],
+        self, batch_size: int, temperature: np.ndarray, seeds: np.ndarray, masked_rows: list[int]
     ) -> torch.Tensor:
-        """The step's [batch_size, 2] (token, NaN flag), in graph memory. `fill_bits(bits)` queues the
-        bitmask rows into `bits` and returns the rows it masks (GrammarMasks.finish_into)."""
+        """The step's [batch_size, 2] (token, NaN flag), in graph memory. `masked_rows`: the rows whose
+        bitmask rows have been filled into host_bits (the others sample freely)."""
         padded = self.runner.padded_size(batch_size)
         assert padded is not None  # the forward graph of this size ran
         host = self.packing.host_views
@@ -253,7 +258,7 @@ class MaskedHeadGraphs:
         host["seeds"][:batch_size] = seeds
         flags = host["masked_rows"]
         flags[:padded] = 0  # padding rows and unconstrained ones sample freely
-        flags[fill_bits(self.bits)] = 1
+        flags[masked_rows] = 1
         host["temperature"][batch_size:padded] = 0.0
         self.packing.send(padded)
         self.staged.record()
@@ -279,7 +284,7 @@ class MaskedHeadGraphs:
         from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
         views = {name: view[:padded] for name, view in self.packing.device_views.items()}
-        mask = TokenBitmask(self.bits[:padded], self.layout[1], self.far_ids, views["masked_rows"])
+        mask = TokenBitmask(views["bits"], self.layout[1], self.far_ids, views["masked_rows"])
         assert self.runner.head is not None  # checked when made
         return self.runner.head(views, self.runner.outputs[padded, False], mask)
 
@@ -325,6 +330,7 @@ class PackedBuffers:
             self.host_bytes = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device_views: dict[str, torch.Tensor] = {}
         self.host_views: dict[str, np.ndarray] = {}
+        self.host_tensors: dict[str, torch.Tensor] = {}  # the same, for writers that take a tensor
         for name in order:
             buf = buffers[name]
             start, end = self.offsets[name], self.offsets[name] + self.nbytes[name]
@@ -332,6 +338,7 @@ class PackedBuffers:
             view.copy_(buf)
             self.device_views[name] = view
             host = self.host_bytes[start:end].view(buf.dtype).view(buf.shape)
+            self.host_tensors[name] = host
             self.host_views[name] = host.numpy()
         self.host_bytes.copy_(self.device_bytes)  # the mirror starts equal (buffers no input overwrites)
 

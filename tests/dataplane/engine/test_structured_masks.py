@@ -112,7 +112,7 @@ def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_d
     eager = LLM(tiny_model_dir, enforce_eager=True, **settings)
     assert eager.engine.runner.decode_graphs is None
     assert got == [o.token_ids for o in eager.generate(prompts, params)]
-    assert runner.sampler.grammar_masks._host.is_pinned()
+    assert runner.masked_head.host_bits().is_pinned()  # filled in place, sent with the inputs
     check_overlap_and_tokens(graphs, monkeypatch)
 
 
