@@ -374,3 +374,40 @@ def test_the_matchers_follow_their_tokens_as_one_accept_a_token_would(llm):
             reference.fill_next_token_bitmask(theirs)
             assert torch.equal(ours, theirs)
     grammars.close()
+
+
+def test_the_bitmask_fills_into_a_buffer_of_the_callers(llm):
+    """A decode graph's masked head has the grammars fill its pinned input mirror (begin's `into`, then
+    `wait`): the rows its own buffer would hold, in place, the unconstrained row left as it was, on the
+    worker thread; a buffer that does not fit the rows is refused before any fill."""
+    from types import SimpleNamespace
+
+    from modelfleet.dataplane.engine.structured import Grammars, bitmask_layout
+
+    engine = llm.engine
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = grammars.compile(("json_schema", SCHEMA)).result()
+    first = engine.tokenizer.encode('{"items"', add_special_tokens=False)
+    seqs = []
+    for known in (first, None, []):
+        grammar = None if known is None else Grammars.matcher(compiled)
+        for t in known or []:
+            grammar.accept(t)
+        seqs.append(
+            SimpleNamespace(grammar=grammar, output_token_ids=known or [], num_inflight=1, sample_row=0)
+        )
+    shape, cpu = (3, compiled.vocab.model_size), torch.device("cpu")
+    words = bitmask_layout(compiled.vocab).words
+    masks = GrammarMasks()
+    own = masks.begin(shape, cpu, seqs, None, background=False)
+    expected = own.host[:3].clone()
+    into = torch.full((8, words), 7, dtype=torch.int32)
+    begun = masks.begin(shape, cpu, seqs, None, background=True, into=into)
+    assert masks.wait(begun) == [0, 2]
+    assert torch.equal(into[[0, 2]], expected[[0, 2]])
+    assert not torch.equal(into[0], into[2])  # two grammar states, two masks
+    assert (into[1] == 7).all() and (into[3:] == 7).all()
+    for bad in (torch.zeros(8, words + 1, dtype=torch.int32), torch.zeros(2, words, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="a bitmask buffer of"):
+            masks.begin(shape, cpu, seqs, None, background=True, into=bad)
+    grammars.close()
