@@ -230,7 +230,6 @@ class MaskedHeadGraphs:
                 "bits": torch.zeros(rows, words, dtype=torch.int32, device=device),
             }
         )
-        self._host_bits = self.packing.host_tensors["bits"]
         self.far_ids = torch.tensor(far_ids, dtype=torch.int32, device=device)
         self.staged = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -242,7 +241,7 @@ class MaskedHeadGraphs:
         copy out of the mirror queued last has run. The grammars fill their rows there (GrammarMasks.begin
         with `into`), and `run` sends them with the step's other inputs: no copy of their own."""
         self.staged.synchronize()
-        return self._host_bits
+        return self.packing.host_tensors["bits"]
 
     @torch.inference_mode()
     def run(

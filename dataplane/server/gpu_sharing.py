@@ -4,7 +4,8 @@ Each loaded version's engine runs in a process of its own. Without MPS a GPU tim
 processes' contexts: one engine's kernels never run beside another's, and two versions of a small model
 split one GPU's throughput between them though neither fills it. Under MPS the engines' kernels run
 concurrently (an A/B pair of the 1B preset at 128 streams on an H200: 36.6k -> 47.3k output tokens/s,
-0.62x -> 0.78-1.28x of one version alone across runs, the pair steady at 46.6-48.7k).
+0.62x -> 0.86-0.98x of one version alone, alternating on one server (medians of three rounds), the pair
+steady at 46-54k).
 
 The server starts a control daemon of its own before any engine process exists (a process joins MPS when
 it creates its CUDA context, and keeps the mode it started with), points the engine processes at it through
