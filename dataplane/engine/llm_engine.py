@@ -29,7 +29,12 @@ from modelfleet.dataplane.engine.host_kv import HostTier
 from modelfleet.dataplane.engine.outputs import EngineStats, RequestOutput
 from modelfleet.dataplane.engine.scheduler import Scheduler, SchedulerOutput
 from modelfleet.dataplane.engine.sequence import Sequence, SequenceStatus
-from modelfleet.dataplane.engine.structured import Grammars, check_structured
+from modelfleet.dataplane.engine.structured import (
+    Grammars,
+    check_structured,
+    fill_threads,
+    grammars_in_process,
+)
 from modelfleet.dataplane.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -308,12 +313,14 @@ class LLMEngine(PromptChecks):
         ready at start: else the first constrained request stalls every stream while xgrammar loads and
         builds the tokenizer's grammar vocabulary (~0.5 s) and the masked sampling kernel compiles (~0.85
         s on an H200, on the engine thread). Without xgrammar or a tokenizer nothing is made; a
-        constrained request then fails with that error, as before."""
+        constrained request then fails with that error, as before. The grammars live in a process of
+        their own unless MODELFLEET_GRAMMARS says otherwise (engine/grammar_process.py)."""
         from modelfleet.dataplane.engine.model_runner import ModelRunner
 
         runner = self.runner
         if self.tokenizer is None or not (isinstance(runner, ModelRunner) and runner.samples_in_graphs):
             return  # other runners (GraphRunner's exported graphs) and the CPU's
+        in_process = grammars_in_process()  # a bad value stops the engine at its start
         grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         try:
             vocab = grammars.prepare()
@@ -321,6 +328,8 @@ class LLMEngine(PromptChecks):
             logger.info("structured output not prepared at start: %s", exc)
             grammars.close()
             return
+        if in_process:
+            grammars.start_process(fill_threads())
         self._grammars = grammars
         import torch
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
+    from modelfleet.dataplane.engine.grammar_process import GrammarProcess, RemoteSchema
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
     from modelfleet.dataplane.kernels.sampling import TokenBitmask
@@ -141,7 +142,9 @@ class CompiledSchema:
 
 
 class Grammars:
-    """Compiles the grammars of one engine's tokenizer on a worker thread, one compile per schema."""
+    """Compiles the grammars of one engine's tokenizer on a worker thread, one compile per schema; or,
+    once `start_process` has run, in a grammar process of its own, which then holds the matchers too
+    (engine/grammar_process.py)."""
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int], cache_size: int = CACHE_SIZE
@@ -152,6 +155,8 @@ class Grammars:
         self.cache_size = cache_size
         self.vocab: GrammarVocab | None = None  # with the compiler
         self._compiler: Any = None
+        self._tokenizer_info: Any = None  # with the compiler
+        self._process: GrammarProcess | None = None
         self._compiled: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
@@ -161,14 +166,21 @@ class Grammars:
     def compile(self, structured: tuple[str, str]) -> Future[Any]:
         """The compiled grammar, made (or being made) on the worker; it fails with ValueError."""
         with self._lock:
+            if self._process is not None and not self._process.alive:
+                self._restart_process()
             future = self._compiled.get(structured)
             if future is not None and not future.cancelled():
                 self._compiled.move_to_end(structured)
                 return future
-            future = self._pool.submit(self._compile, structured)
+            if self._process is None:
+                future = self._pool.submit(self._compile, structured)
+            else:
+                future = self._process.compile(structured)
             self._compiled[structured] = future
             while len(self._compiled) > self.cache_size:
-                self._compiled.popitem(last=False)
+                _, evicted = self._compiled.popitem(last=False)
+                if self._process is not None and evicted.done() and evicted.exception() is None:
+                    self._process.forget(evicted.result())
             return future
 
     def prepare(self) -> GrammarVocab:
@@ -178,21 +190,37 @@ class Grammars:
         assert self.vocab is not None  # made with the compiler
         return self.vocab
 
+    def start_process(self, threads: int | str) -> None:
+        """From now on, compiles and matchers live in a grammar process (see its module) with `threads`
+        filling each step's bitmask. Compiles made before stay cached here; their matchers stay local."""
+        from modelfleet.dataplane.engine.grammar_process import GrammarProcess
+
+        vocab = self.prepare()
+        self._process = GrammarProcess(self._tokenizer_info.serialize_json(), vocab, threads)
+
+    def _restart_process(self) -> None:
+        """Another grammar process for one that ended (its matchers' requests failed with their steps);
+        what it compiled went with it."""
+        from modelfleet.dataplane.engine.grammar_process import GrammarProcess
+
+        process = self._process
+        assert process is not None
+        logger.warning("%s; starting another", process.ended())
+        process.close()
+        self._compiled.clear()
+        self._process = GrammarProcess(self._tokenizer_info.serialize_json(), process.vocab, process.threads)
+
     def _compile(self, structured: tuple[str, str]) -> CompiledSchema:
         compiler = self._compiler_made()
         assert self.vocab is not None  # made with the compiler
-        schema = _schema(structured)
-        try:
-            grammar = _compile_bounded_strings(compiler, schema)
-            if grammar is None:
-                grammar = compiler.compile_json_schema(schema, any_whitespace=False)
-        except Exception as exc:
-            raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
-        return CompiledSchema(grammar, self.vocab)
+        return CompiledSchema(compile_schema(compiler, structured), self.vocab)
 
     @staticmethod
-    def matcher(compiled: CompiledSchema) -> SequenceGrammar:
-        """A fresh matcher for one sequence, from a compiled grammar (cheap: on the engine thread)."""
+    def matcher(compiled: CompiledSchema | RemoteSchema) -> SequenceGrammar | RemoteGrammar:
+        """A fresh matcher for one sequence, from a compiled grammar (cheap: on the engine thread); in
+        the grammar process for a schema compiled there."""
+        if not isinstance(compiled, CompiledSchema):
+            return compiled.process.open(compiled)
         import xgrammar
 
         return SequenceGrammar(xgrammar.GrammarMatcher(compiled.grammar), compiled.vocab)
@@ -211,11 +239,26 @@ class Grammars:
             self.tokenizer, vocab_size=vocab.size, stop_token_ids=stops or None
         )
         self.vocab = vocab
+        self._tokenizer_info = info
         self._compiler = xgrammar.GrammarCompiler(info)
         return self._compiler
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._process is not None:
+            self._process.close()
+
+
+def compile_schema(compiler: Any, structured: tuple[str, str]) -> Any:
+    """A request's constraint compiled by an xgrammar.GrammarCompiler; ValueError naming the field."""
+    schema = _schema(structured)
+    try:
+        grammar = _compile_bounded_strings(compiler, schema)
+        if grammar is None:
+            grammar = compiler.compile_json_schema(schema, any_whitespace=False)
+    except Exception as exc:
+        raise ValueError(f"response_format: the JSON schema cannot be compiled: {exc}") from None
+    return grammar
 
 
 # A string of bounded length (maxLength) as xgrammar writes it: `"\"" chars{min, max} "\""`, where `chars`
@@ -304,10 +347,40 @@ class SequenceGrammar:
         self.num_accepted += 1
 
 
+class RemoteGrammar:
+    """One sequence's matcher, held by the grammar process under `slot`, and how many of its output
+    tokens it has followed (as structured.SequenceGrammar's num_accepted)."""
+
+    __slots__ = ("num_accepted", "process", "slot", "vocab")
+
+    def __init__(self, process: GrammarProcess, slot: int, vocab: GrammarVocab) -> None:
+        self.process = process
+        self.slot = slot
+        self.vocab = vocab
+        self.num_accepted = 0
+
+    def __del__(self) -> None:
+        self.process.release(self.slot)
+
+
 # Rows of bitmask kept for reuse, at least; the buffers grow with the batch.
 MIN_ROWS = 64
-# Threads filling one step's bitmask rows: xgrammar's "auto" (half the cores) unless set to a number.
+# Threads filling one step's bitmask rows: "auto" is xgrammar's (half the cores) in the engine's process,
+# 2 in a grammar process (grammar_process._SplitFill), unless set to a number.
 FILL_THREADS_ENV = "MODELFLEET_GRAMMAR_THREADS"
+
+
+# Where a GPU engine's grammars live: "process" (a process of their own, engine/grammar_process.py) or
+# "thread" (the engine's process: matchers followed on the engine thread, fills on a worker thread).
+GRAMMARS_ENV = "MODELFLEET_GRAMMARS"
+
+
+def grammars_in_process() -> bool:
+    """Whether the environment puts a GPU engine's grammars in a process of their own (the default)."""
+    value = os.environ.get(GRAMMARS_ENV, "process").strip()
+    if value not in ("process", "thread"):
+        raise ValueError(f"{GRAMMARS_ENV}: {value!r} must be 'process' or 'thread'")
+    return value == "process"
 
 
 def fill_threads() -> int | str:
@@ -330,7 +403,7 @@ class BegunMasks:
     vocab: GrammarVocab
     num_rows: int
     host: torch.Tensor  # the bitmask it fills
-    fill: _FillWorker | None  # None: filled already
+    fill: _FillWorker | GrammarProcess | None  # None: filled already
 
 
 class _FillWorker:
@@ -430,7 +503,12 @@ class GrammarMasks:
         on the worker thread if `background` (returned once the worker holds the fill), else here. None
         where no row is constrained any more. `shape` and `device`: the step's logits' (rows, model ids).
         The bitmask fills this sampler's host buffer, or `into` (int32 [>= rows, words] on the host, free
-        to fill: a graph's pinned input buffer, sent with its other inputs; `wait` ends such a step)."""
+        to fill: a graph's pinned input buffer, sent with its other inputs; `wait` ends such a step).
+        Matchers in a grammar process follow and fill there: the rows still constrained are known once
+        the fill has ended (the begun masks' rows, empty until then, may stay empty)."""
+        first = next(s.grammar for s in seqs if s.grammar is not None)
+        if isinstance(first, RemoteGrammar):  # one engine's grammars all live in one place
+            return self._begin_remote(first, shape, device, seqs, previous, background, into)
         live = _follow_tokens(seqs, previous)
         if not live:
             return None
@@ -439,10 +517,7 @@ class GrammarMasks:
         num_rows, width = shape
         if width != vocab.model_size:
             raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
-        words = bitmask_layout(vocab).words
-        host = self._host_buffer(num_rows, words, device) if into is None else into
-        if host.shape[0] < num_rows or host.shape[1] != words or host.element_size() != 4:
-            raise ValueError(f"a bitmask buffer of {tuple(host.shape)} for {num_rows} rows of {words} int32")
+        host = self._fill_buffer(vocab, num_rows, device, into)
         matchers = [g.matcher for _, g in live]
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
@@ -452,11 +527,45 @@ class GrammarMasks:
         self._worker.start(self._filler, matchers, host, rows)
         return BegunMasks(rows, vocab, num_rows, host, self._worker)
 
+    def _begin_remote(
+        self,
+        first: RemoteGrammar,
+        shape: tuple[int, int],
+        device: torch.device,
+        seqs: list[Sequence],
+        previous: SampledBatch | None,
+        background: bool,
+        into: torch.Tensor | None,
+    ) -> BegunMasks:
+        """begin, for matchers in a grammar process: the step sent there, its reply read in the wait."""
+        num_rows, width = shape
+        vocab = first.vocab
+        if width != vocab.model_size:
+            raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
+        host = self._fill_buffer(vocab, num_rows, device, into)
+        first.process.start(seqs, previous, num_rows, host)
+        begun = BegunMasks([], vocab, num_rows, host, first.process)
+        if not background:
+            self._filled_host(begun)
+        return begun
+
+    def _fill_buffer(
+        self, vocab: GrammarVocab, num_rows: int, device: torch.device, into: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The host bitmask a step fills: this sampler's own, or the caller's `into` once checked."""
+        words = bitmask_layout(vocab).words
+        host = self._host_buffer(num_rows, words, device) if into is None else into
+        if host.shape[0] < num_rows or host.shape[1] != words or host.element_size() != 4:
+            raise ValueError(f"a bitmask buffer of {tuple(host.shape)} for {num_rows} rows of {words} int32")
+        return host
+
     def finish(self, begun: BegunMasks, logits: torch.Tensor) -> torch.Tensor:
         """Waits for the fill (raising its error, if any), then masks `logits` in place: one copy of the
         bitmask to the device and one masking kernel (and the padded ids')."""
-        rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
         host = self._filled_host(begun)
+        rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
+        if not rows:  # every grammar has ended (known only now for a grammar process's)
+            return logits
         logits = logits.contiguous()
         bitmask = host if logits.device.type == "cpu" else self._to_device(host)
         # Every row constrained (the usual batch of one schema): no indices to send along.
@@ -476,8 +585,8 @@ class GrammarMasks:
         from modelfleet.dataplane.engine.device_copy import to_device
         from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
-        rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
         host = self._filled_host(begun)
+        rows, vocab, num_rows = begun.rows, begun.vocab, begun.num_rows
         layout = bitmask_layout(vocab)
         if self._far_ids is None or self._far_ids[0] != vocab or self._far_ids[1].device != device:
             self._far_ids = (vocab, torch.tensor(layout.far_ids, dtype=torch.int32).to(device))
@@ -507,9 +616,12 @@ class GrammarMasks:
         return ones[:num_rows]
 
     def _filled_host(self, begun: BegunMasks) -> torch.Tensor:
-        """The host bitmask's rows of this step, once filled."""
-        if begun.fill is not None:
-            begun.fill.wait()
+        """The host bitmask's rows of this step, once filled (and the begun masks' rows, once known)."""
+        fill, begun.fill = begun.fill, None
+        if isinstance(fill, _FillWorker):
+            fill.wait()
+        elif fill is not None:
+            begun.rows = fill.wait(begun.host)
         return begun.host[: begun.num_rows]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:

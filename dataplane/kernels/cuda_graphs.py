@@ -221,14 +221,16 @@ class MaskedHeadGraphs:
         self.layout = (words, num_direct, tuple(far_ids))
         device = runner.buffers["temperature"].device
         rows = runner.max_batch
-        # The bitmask is the largest input, so the mirror's last: a step sends the rows it has alone.
+        # The bitmask is the largest input, so the mirror's last: a step sends the rows it has alone. The
+        # mirror is shared: a grammar process fills the bitmask there itself (engine/grammar_process.py).
         self.packing = PackedBuffers(
             {
                 "temperature": torch.zeros(rows, dtype=torch.float32, device=device),
                 "masked_rows": torch.zeros(rows, dtype=torch.int32, device=device),
                 "seeds": torch.zeros(rows, dtype=torch.long, device=device),
                 "bits": torch.zeros(rows, words, dtype=torch.int32, device=device),
-            }
+            },
+            shared=True,
         )
         self.far_ids = torch.tensor(far_ids, dtype=torch.int32, device=device)
         self.staged = torch.cuda.Event()
@@ -309,9 +311,10 @@ class MaskedHeadGraphs:
 class PackedBuffers:
     """Buffers moved into one device allocation, each at a 16-byte boundary, the largest last, and a pinned
     host mirror with the same layout: numpy views of the mirror take a step's host inputs, and `send`
-    copies them over in one transfer."""
+    copies them over in one transfer. `shared`: the mirror in memory the engine's helper processes map
+    (engine/shared_host.py), for inputs they write."""
 
-    def __init__(self, buffers: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, buffers: Mapping[str, torch.Tensor], shared: bool = False) -> None:
         order = sorted(buffers, key=lambda name: buffers[name].numel() * buffers[name].element_size())
         self.offsets: dict[str, int] = {}
         self.nbytes = {name: buffers[name].numel() * buffers[name].element_size() for name in order}
@@ -326,7 +329,12 @@ class PackedBuffers:
         device = buffers[self.last].device
         self.device_bytes = torch.empty(size, dtype=torch.uint8, device=device)
         with torch.inference_mode(False):  # usable from inside and outside inference mode
-            self.host_bytes = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            if shared:
+                from modelfleet.dataplane.engine.shared_host import shared_bytes
+
+                self.host_bytes = shared_bytes(size, pinned=device.type == "cuda")
+            else:
+                self.host_bytes = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device_views: dict[str, torch.Tensor] = {}
         self.host_views: dict[str, np.ndarray] = {}
         self.host_tensors: dict[str, torch.Tensor] = {}  # the same, for writers that take a tensor

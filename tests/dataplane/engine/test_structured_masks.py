@@ -20,7 +20,7 @@ import torch
 import xgrammar
 from modelfleet.dataplane import LLM, SamplingParams
 from modelfleet.dataplane.engine import llm_engine
-from modelfleet.dataplane.engine.structured import GrammarMasks
+from modelfleet.dataplane.engine.structured import GrammarMasks, Grammars
 
 from .test_overlap import record_launches
 
@@ -56,7 +56,10 @@ def batch() -> tuple[list[str], list[SamplingParams]]:
 def allowed_throughout(llm: LLM, structured: tuple[str, str], token_ids: list[int]) -> bool:
     """Whether a fresh matcher accepts every token in order (each was allowed where it was sampled)."""
     engine = llm.engine
-    compiled = engine._grammars.compile(structured).result()
+    # A compiler of its own: the engine's grammars may be in a grammar process.
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = grammars.compile(structured).result()
+    grammars.close()
     matcher = xgrammar.GrammarMatcher(compiled.grammar)
     return all(matcher.accept_token(compiled.vocab.grammar_id(t)) for t in token_ids)
 
@@ -184,8 +187,6 @@ def test_an_engine_starts_where_its_kernels_do_not_fit_to_compile(tiny_model_dir
 
 
 def test_a_prepared_compiler_is_the_one_compiles_use(llm):
-    from modelfleet.dataplane.engine.structured import Grammars
-
     engine = llm.engine
     grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
     made = []
@@ -337,7 +338,7 @@ def test_the_matchers_follow_their_tokens_as_one_accept_a_token_would(llm):
     whose token in flight the grammar rejects (a failed row's: ignored) and a row that ends its grammar."""
     from types import SimpleNamespace
 
-    from modelfleet.dataplane.engine.structured import Grammars, _follow_tokens
+    from modelfleet.dataplane.engine.structured import _follow_tokens
 
     engine = llm.engine
     grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
@@ -382,7 +383,7 @@ def test_the_bitmask_fills_into_a_buffer_of_the_callers(llm):
     worker thread; a buffer that does not fit the rows is refused before any fill."""
     from types import SimpleNamespace
 
-    from modelfleet.dataplane.engine.structured import Grammars, bitmask_layout
+    from modelfleet.dataplane.engine.structured import bitmask_layout
 
     engine = llm.engine
     grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)

@@ -1,0 +1,69 @@
+"""Host memory that the engine's helper processes map by name, pinned where the device copies out of it:
+a grammar process fills a decode graph's bitmask input in place (engine/grammar_process.py), and the
+graph's one copy of its inputs sends it on, with no copy between the processes' buffers.
+
+A segment lives as long as the engine's process: it is removed at the process's exit (and by
+multiprocessing's resource tracker if the process is killed)."""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+from multiprocessing.shared_memory import SharedMemory
+from typing import NamedTuple
+
+import torch
+
+# Segments by their first byte's address: where a tensor lies (segment_of).
+_SEGMENTS: dict[int, tuple[SharedMemory, bool]] = {}
+
+
+class Place(NamedTuple):
+    """Where a tensor's memory lies in a shared segment."""
+
+    name: str  # the segment's name (in /dev/shm)
+    offset: int  # bytes from the segment's start
+
+
+def shared_bytes(nbytes: int, *, pinned: bool) -> torch.Tensor:
+    """uint8 [nbytes] in a segment of its own; page-locked for the device's copies if `pinned`."""
+    segment = SharedMemory(create=True, size=max(1, nbytes))
+    memory = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+    if pinned:
+        status = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, 0)
+        if int(status) != 0:
+            segment.close()
+            segment.unlink()
+            raise RuntimeError(f"cudaHostRegister of {nbytes} shared bytes failed ({status})")
+    _SEGMENTS[memory.data_ptr()] = (segment, pinned)
+    return memory
+
+
+def place_of(tensor: torch.Tensor) -> Place | None:
+    """Where `tensor` lies, if in a segment made by shared_bytes."""
+    address = tensor.data_ptr()
+    for start, (segment, _) in _SEGMENTS.items():
+        if start <= address < start + segment.size:
+            return Place(segment.name, address - start)
+    return None
+
+
+def attach(name: str) -> mmap.mmap:
+    """A segment mapped by its name, in another process. Mapped from its file, not through SharedMemory:
+    that would have the mapping process's resource tracker remove the segment when that process ends
+    (Python < 3.13)."""
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+@atexit.register
+def _remove_all() -> None:
+    for start, (segment, pinned) in list(_SEGMENTS.items()):
+        if pinned:
+            torch.cuda.cudart().cudaHostUnregister(start)
+        segment.unlink()  # the mapping itself goes with the process
+    _SEGMENTS.clear()

@@ -1,0 +1,197 @@
+"""A GPU engine's grammars in a process of their own (engine/grammar_process.py): the engine's steps and
+the process together give the tokens of grammars held in the engine's process, keep the overlap, close
+every sequence's matcher, and turn the process's errors and its end into failed steps (and another
+process for the next constrained request). Run on the CPU, where the engine's grammars would otherwise
+stay in its process: the process is started as a GPU engine starts it."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+from modelfleet.dataplane import LLM, SamplingParams
+from modelfleet.dataplane.engine.grammar_process import GrammarProcess
+from modelfleet.dataplane.engine.shared_host import shared_bytes
+from modelfleet.dataplane.engine.structured import GrammarMasks, Grammars, RemoteGrammar, bitmask_layout
+
+from .test_structured_masks import SCHEMA, allowed_throughout, batch, check_overlap_and_tokens
+
+
+def make_llm(model_dir, *, in_process: bool) -> LLM:
+    llm = LLM(model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cpu")
+    if in_process:
+        engine = llm.engine
+        engine._grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+        engine._grammars.start_process(1)
+    return llm
+
+
+@pytest.fixture
+def remote(tiny_model_dir):
+    llm = make_llm(tiny_model_dir, in_process=True)
+    # Compiled before the first request, as a served schema is after its first: else the requests wait
+    # for the process to start (imports, ~1-2 s here) while the others step alone.
+    for structured in {p.structured for p in batch()[1]} - {None}:
+        llm.engine._grammars.compile(structured).result(timeout=60)
+    yield llm
+    llm.engine._grammars.close()
+
+
+def test_the_grammar_process_gives_the_tokens_of_grammars_in_the_engine(tiny_model_dir, remote, monkeypatch):
+    prompts, params = batch()
+    expected = make_llm(tiny_model_dir, in_process=False).generate(prompts, params)
+    opened, released = [], []
+    monkeypatch.setattr(
+        GrammarProcess,
+        "open",
+        lambda self, schema, f=GrammarProcess.open: opened.append(1) or f(self, schema),
+    )
+    monkeypatch.setattr(
+        GrammarProcess,
+        "release",
+        lambda self, slot, f=GrammarProcess.release: released.append(slot) or f(self, slot),
+    )
+    got = remote.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+    gc.collect()
+    assert len(opened) == 3 and sorted(released) == sorted(set(released)) and len(released) == 3
+    # The matchers' sequences ended: the next step's message closes them in the process (no error there).
+    (out,) = remote.generate(["again"], params[0])
+    assert allowed_throughout(remote, params[0].structured, out.token_ids)
+
+
+def test_the_grammar_process_keeps_the_overlap_and_its_tokens(remote, monkeypatch):
+    check_overlap_and_tokens(remote, monkeypatch)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_the_bitmask_comes_into_a_buffer_of_the_callers(remote, shared):
+    """As with matchers in the engine (test_the_bitmask_fills_into_a_buffer_of_the_callers): the rows a
+    grammar constrains filled, in place, the others left as they were; which rows, known at the wait.
+    A buffer in shared memory (a decode graph's input mirror) is filled by the process itself; another
+    is copied into from the process's own."""
+    from types import SimpleNamespace
+
+    engine = remote.engine
+    structured = ("json_schema", SCHEMA)
+    schema = engine._grammars.compile(structured).result()
+    local = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = local.compile(structured).result()
+    first = engine.tokenizer.encode('{"items"', add_special_tokens=False)
+    ours, theirs = [], []
+    for known in (first, None, []):
+        for made, made_from in ((ours, schema), (theirs, compiled)):
+            grammar = None if known is None else Grammars.matcher(made_from)
+            made.append(
+                SimpleNamespace(grammar=grammar, output_token_ids=known or [], num_inflight=1, sample_row=0)
+            )
+    # Both follow the known tokens as a row behind would (num_inflight 1: no token in flight).
+    shape, cpu = (3, schema.vocab.model_size), torch.device("cpu")
+    words = bitmask_layout(schema.vocab).words
+    expected = GrammarMasks().begin(shape, cpu, theirs, None, background=False).host[:3].clone()
+    if shared:
+        into = shared_bytes(8 * words * 4, pinned=False).view(torch.int32).view(8, words)
+        into.fill_(7)
+    else:
+        into = torch.full((8, words), 7, dtype=torch.int32)
+    masks = GrammarMasks()
+    begun = masks.begin(shape, cpu, ours, None, background=True, into=into)
+    assert isinstance(ours[0].grammar, RemoteGrammar) and begun.rows == []  # known at the wait
+    assert masks.wait(begun) == [0, 2]
+    assert torch.equal(into[[0, 2]], expected[[0, 2]])
+    assert not torch.equal(into[0], into[2])
+    assert (into[1] == 7).all() and (into[3:] == 7).all()
+    assert (engine._grammars._process._own is None) == shared  # filled in place: no buffer of its own
+    local.close()
+
+
+def test_an_error_in_the_process_fails_its_step_alone(remote):
+    """A step the process cannot carry out (here a matcher it never opened) is a RuntimeError with the
+    process's own message; the process serves the next step."""
+    from types import SimpleNamespace
+
+    process = remote.engine._grammars._process
+    vocab = process.vocab
+    stray = RemoteGrammar(process, 10**6, vocab)
+    seqs = [SimpleNamespace(grammar=stray, output_token_ids=[5], num_inflight=1, sample_row=0)]
+    masks = GrammarMasks()
+    with pytest.raises(RuntimeError, match=r"^structured output: ValueError: no matcher in slot 1000000 "):
+        masks.begin((1, vocab.model_size), torch.device("cpu"), seqs, None, background=False)
+    stray.process = SimpleNamespace(release=lambda slot: None)  # never opened: nothing to close
+    structured = ("json_schema", SCHEMA)
+    (out,) = remote.generate(["one"], SamplingParams(max_tokens=24, temperature=0.0, structured=structured))
+    assert out.error is None and allowed_throughout(remote, structured, out.token_ids)
+
+
+def test_a_process_that_ended_fails_the_step_and_the_next_request_gets_another(remote):
+    engine = remote.engine
+    structured = ("json_schema", SCHEMA)
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured=structured)
+    engine.add_request("a", "one", params)
+    for _ in range(3):
+        engine.step()
+    first = engine._grammars._process
+    first._process.kill()
+    first._process.wait()
+    with pytest.raises(RuntimeError, match=r"the grammar process ended \(exit code -9\)"):
+        for _ in range(2):
+            engine.step()
+    engine.abort("a")  # as the engine process does after a failed step
+    while engine.has_unfinished_requests() or engine._launched is not None:
+        engine.step()
+    (out,) = remote.generate(["two"], params)
+    assert engine._grammars._process is not first and engine._grammars._process.alive
+    assert out.error is None and allowed_throughout(remote, structured, out.token_ids)
+
+
+def test_a_compile_error_in_the_process_is_the_requests_own(remote):
+    """A schema the process's compiler refuses fails its request with the compile's ValueError, as in the
+    engine's process (the schema parses on the caller's side: only the compile refuses it here)."""
+    engine = remote.engine
+    future = engine._grammars._process.compile(
+        ("json_schema", json.dumps({"type": "object", "minProperties": "x"}))
+    )
+    with pytest.raises(ValueError, match="response_format: the JSON schema cannot be compiled"):
+        future.result(timeout=30)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_split_fill_fills_what_one_filler_would(tiny_model_dir, threads):
+    """The process's fill shared out over threads (each every threads-th row) gives each row the mask one
+    filler gives it, leaves the other rows alone, with fewer rows than threads too; a filler's error on
+    another thread is raised by the fill."""
+    import xgrammar
+    from modelfleet.dataplane.engine.grammar_process import _SplitFill
+
+    llm = make_llm(tiny_model_dir, in_process=False)
+    engine = llm.engine
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = grammars.compile(("json_schema", SCHEMA)).result()
+    answer = engine.tokenizer.encode('{"items": ["ab", "cd"], "n": 7}', add_special_tokens=False)
+    matchers = []
+    for length in (0, 1, 3, 4, 6, 8):  # six grammar states
+        grammar = Grammars.matcher(compiled)
+        for t in answer[:length]:
+            grammar.accept(t)
+        matchers.append(grammar.matcher)
+    words = bitmask_layout(compiled.vocab).words
+    rows = [0, 2, 3, 5, 6, 7]
+    expected = torch.full((9, words), 7, dtype=torch.int32)
+    one = xgrammar.BatchGrammarMatcher(max_threads=1)
+    one.batch_fill_next_token_bitmask(matchers, expected, indices=rows)
+    fill = _SplitFill(xgrammar, threads)
+    for _ in range(2):  # the threads serve step after step
+        bitmask = torch.full((9, words), 7, dtype=torch.int32)
+        fill(matchers, bitmask, rows)
+        assert torch.equal(bitmask, expected)
+    bitmask = torch.full((9, words), 7, dtype=torch.int32)
+    fill(matchers[2:3], bitmask, [3])  # one row, however many threads
+    assert torch.equal(bitmask[3], expected[3]) and (bitmask[[0, 1, 2, 4, 5, 6, 7, 8]] == 7).all()
+    with pytest.raises(AttributeError, match="_handle"):  # xgrammar's, for what is not a matcher
+        fill([*matchers[:-1], object()], bitmask, rows)
+    fill(matchers, bitmask, rows)  # and serves on
+    assert torch.equal(bitmask, expected)
+    grammars.close()
