@@ -18,6 +18,7 @@ from modelfleet.dataplane.engine.protocol import Engine
 from modelfleet.dataplane.engine.stream_relay import RelayDone, StreamSink
 from modelfleet.dataplane.sampling_params import SamplingParams
 from modelfleet.dataplane.server.errors import BadRequest
+from modelfleet.dataplane.server.protocol import ChatCompletionRequest
 
 
 @dataclass(slots=True)  # not frozen: one is built per streamed output, and a frozen one costs 2.5x
@@ -45,7 +46,7 @@ def build_sampling_params(request: Any, *, max_tokens: int, logprobs: int | None
         "ignore_eos": request.ignore_eos,
         "logit_bias": dict(request.logit_bias or {}),
         # chat only: a response format, or the calls a tool_choice forces
-        "structured": request.structured() if hasattr(request, "structured") else None,
+        "structured": request.structured() if isinstance(request, ChatCompletionRequest) else None,
         # events carry only what is new; cumulative outputs would copy each request's whole text and
         # tokens (and, from an engine process, pickle them) on every step
         "output_kind": "delta",

@@ -60,13 +60,13 @@ class RequestGuard:
         keys = self.dataplane.keys
         keys.refresh()
         try:
-            scope.setdefault("state", {})["principal"] = keys.authenticate(_header(scope, b"authorization"))
+            scope.setdefault("state", {})["principal"] = keys.authenticate(header(scope, b"authorization"))
         except ServerError as exc:
             self._count(exc.status)
             raise _Refused(exc.status, exc.body(), exc.headers) from None
 
     def _check_declared_length(self, scope: Scope) -> None:
-        declared = _header(scope, b"content-length")
+        declared = header(scope, b"content-length")
         if declared is None:
             return
         try:
@@ -117,7 +117,7 @@ class RequestGuard:
         self.dataplane.metrics.requests.labels(UNKNOWN_MODEL, "", str(status)).inc()
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def header(scope: Scope, name: bytes) -> str | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
             return value.decode("latin-1")
