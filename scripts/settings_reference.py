@@ -29,6 +29,15 @@ names (the data plane `MODELFLEET_`, the control plane `MODELFLEET_CONTROLPLANE_
 {shared}
 
 With no exporter, no span is recorded. The rule is `dataplane/observability.py`'s, for all three.
+
+## The engine
+
+Read by the engine wherever it runs (a server's engine process, `modelfleet.dataplane.LLM`), from the
+environment, not a settings class.
+
+| variable | meaning |
+|---|---|
+{engine}
 """
 
 
@@ -51,6 +60,32 @@ SHARED = [
     (
         "`OTEL_SERVICE_NAME`",
         "the service name on spans (default `modelfleet-server`, `-operator`, `-controlplane`)",
+    ),
+]
+
+
+ENGINE = [
+    (
+        "`MODELFLEET_GRAMMARS`",
+        "`process` (the default) or `thread`: where a GPU engine's structured-output grammars live, a "
+        "process of their own (engine/grammar_process.py) or the engine's (a CPU engine's always)",
+    ),
+    (
+        "`MODELFLEET_GRAMMAR_THREADS`",
+        "threads filling a step's grammar bitmask; `auto` (the default): 2 in a grammar process, "
+        "xgrammar's (half the cores) in the engine's",
+    ),
+    (
+        "`MODELFLEET_PDL`",
+        "`0`: no programmatic dependent launch in the Triton kernels (default on where supported)",
+    ),
+    (
+        "`MODELFLEET_CPU_DTYPE`",
+        "`float32` or `bfloat16`: a CPU engine's dtype; unset: bfloat16 where the CPU has it natively",
+    ),
+    (
+        "`MODELFLEET_CPU_THREADS`",
+        "threads a CPU engine computes with; unset: the usable CPUs that other work leaves idle",
     ),
 ]
 
@@ -85,7 +120,11 @@ def _type(field: Any) -> str:
 
 
 def render() -> str:
-    parts = [HEADER.format(shared="\n".join(f"| {name} | {meaning} |" for name, meaning in SHARED))]
+    rows = {
+        key: "\n".join(f"| {name} | {meaning} |" for name, meaning in table)
+        for key, table in (("shared", SHARED), ("engine", ENGINE))
+    }
+    parts = [HEADER.format(**rows)]
     for title, source, cls in _classes():
         prefix = cls.model_config.get("env_prefix", "")
         parts.append(f"\n## {title}\n\nFrom `{source}`.\n\n")

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-# Segments by their first byte's address: where a tensor lies (segment_of).
-_SEGMENTS: dict[int, tuple[SharedMemory, bool]] = {}
+# Segments by their first byte's address: where a tensor lies (place_of).
+_SEGMENTS: dict[int, SharedMemory] = {}
 
 
 class Place(NamedTuple):
@@ -36,14 +36,14 @@ def shared_bytes(nbytes: int, *, pinned: bool) -> torch.Tensor:
             segment.close()
             segment.unlink()
             raise RuntimeError(f"cudaHostRegister of {nbytes} shared bytes failed ({status})")
-    _SEGMENTS[memory.data_ptr()] = (segment, pinned)
+    _SEGMENTS[memory.data_ptr()] = segment
     return memory
 
 
 def place_of(tensor: torch.Tensor) -> Place | None:
     """Where `tensor` lies, if in a segment made by shared_bytes."""
     address = tensor.data_ptr()
-    for start, (segment, _) in _SEGMENTS.items():
+    for start, segment in _SEGMENTS.items():
         if start <= address < start + segment.size:
             return Place(segment.name, address - start)
     return None
@@ -62,8 +62,7 @@ def attach(name: str) -> mmap.mmap:
 
 @atexit.register
 def _remove_all() -> None:
-    for start, (segment, pinned) in list(_SEGMENTS.items()):
-        if pinned:
-            torch.cuda.cudart().cudaHostUnregister(start)
-        segment.unlink()  # the mapping itself goes with the process
+    """The segments' names; their memory (and its page-locking) goes with the process."""
+    for segment in _SEGMENTS.values():
+        segment.unlink()
     _SEGMENTS.clear()
