@@ -73,6 +73,8 @@ class GrammarProcess:
     def __init__(self, tokenizer_info: str, vocab: GrammarVocab, threads: int | str) -> None:
         """`tokenizer_info`: xgrammar's TokenizerInfo as JSON (the tokenizer's grammar vocabulary);
         `threads`: the fill's threads (structured.fill_threads)."""
+        self._words = bitmask_layout(vocab).words
+        self._own = self._own_buffer(_MIN_ROWS)  # first: no shared memory here, no process started
         # A fresh interpreter, not multiprocessing's spawn, which would import the engine's main module
         # again (a script without a main guard) and never a fork of a process that holds CUDA.
         steps_here, steps_there = socket.socketpair()
@@ -90,14 +92,12 @@ class GrammarProcess:
         self._compiles.send((tokenizer_info, vocab, threads))
         self.vocab = vocab
         self.threads = threads
-        self._words = bitmask_layout(vocab).words
         self._keys = itertools.count()
         self._slots = itertools.count()
         self._pending: dict[int, Future[RemoteSchema]] = {}
         self._lock = threading.Lock()  # _pending and the compile pipe's sends
         self._opened: list[int] = []  # slot, key pairs for the next step's message
         self._closed: deque[int] = deque()  # appended by finalizers, on any thread
-        self._own: torch.Tensor | None = None  # where the process fills a bitmask not in shared memory
         self._copy_from: torch.Tensor | None = None  # _own, where the step sent last filled it
         self._targets: dict[Place, int] = {}  # the bitmasks the process fills, by their number there
         self._new_target = b""  # the next message's: a target's number, offset, rows, segment name
@@ -232,19 +232,20 @@ class GrammarProcess:
         """The number of the bitmask the process fills this step: `host` where shared, else _own."""
         place = place_of(host)
         if place is None or not host.is_contiguous():
-            own = self._own
-            if own is None or own.shape[0] < num_rows:
-                rows = max(_MIN_ROWS, num_rows)
-                own = self._own = shared_bytes(rows * self._words * 4, pinned=False).view(torch.int32)
-                own = self._own = own.view(rows, self._words)
-            host, self._copy_from = own, own
-            place = place_of(own)
+            if self._own.shape[0] < num_rows:
+                self._own = self._own_buffer(num_rows)
+            host = self._copy_from = self._own
+            place = place_of(host)
             assert place is not None  # made shared
         number = self._targets.get(place)
         if number is None:
             number = self._targets[place] = len(self._targets)
             self._new_target = _NEW_TARGET.pack(number, place.offset, host.shape[0]) + place.name.encode()
         return number
+
+    def _own_buffer(self, rows: int) -> torch.Tensor:
+        """A bitmask of this process's in shared memory (int32 [rows, words]), for hosts outside it."""
+        return shared_bytes(rows * self._words * 4, pinned=False).view(torch.int32).view(rows, self._words)
 
     @property
     def alive(self) -> bool:

@@ -329,7 +329,10 @@ class LLMEngine(PromptChecks):
             grammars.close()
             return
         if in_process:
-            grammars.start_process(fill_threads())
+            try:
+                grammars.start_process(fill_threads())
+            except OSError as exc:  # no shared memory to map (/dev/shm), or no process to start
+                logger.warning("structured output: the grammars stay in the engine's process: %s", exc)
         self._grammars = grammars
         import torch
 

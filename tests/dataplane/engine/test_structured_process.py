@@ -13,7 +13,7 @@ import pytest
 import torch
 from modelfleet.dataplane import LLM, SamplingParams
 from modelfleet.dataplane.engine.grammar_process import GrammarProcess
-from modelfleet.dataplane.engine.shared_host import shared_bytes
+from modelfleet.dataplane.engine.shared_host import place_of, shared_bytes
 from modelfleet.dataplane.engine.structured import GrammarMasks, Grammars, RemoteGrammar, bitmask_layout
 
 from .test_structured_masks import SCHEMA, allowed_throughout, batch, check_overlap_and_tokens
@@ -104,7 +104,8 @@ def test_the_bitmask_comes_into_a_buffer_of_the_callers(remote, shared):
     assert torch.equal(into[[0, 2]], expected[[0, 2]])
     assert not torch.equal(into[0], into[2])
     assert (into[1] == 7).all() and (into[3:] == 7).all()
-    assert (engine._grammars._process._own is None) == shared  # filled in place: no buffer of its own
+    process = engine._grammars._process
+    assert (place_of(into) in process._targets) == shared  # filled in place, else in its own and copied
     local.close()
 
 
@@ -195,3 +196,23 @@ def test_a_split_fill_fills_what_one_filler_would(tiny_model_dir, threads):
     fill(matchers, bitmask, rows)  # and serves on
     assert torch.equal(bitmask, expected)
     grammars.close()
+
+
+def test_without_shared_memory_the_grammars_stay_in_the_engines_process(tiny_model_dir, monkeypatch, caplog):
+    """A host where no shared memory can be made (no /dev/shm): the engine starts with its grammars in
+    its own process, says so, and serves constrained requests as before."""
+    from modelfleet.dataplane.engine import grammar_process
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+
+    def no_shared_memory(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "/dev/shm")
+
+    monkeypatch.setattr(grammar_process, "shared_bytes", no_shared_memory)
+    monkeypatch.setattr(ModelRunner, "samples_in_graphs", property(lambda self: True))
+    monkeypatch.setattr(ModelRunner, "prepare_structured", lambda self, vocab: None)
+    llm = LLM(tiny_model_dir, max_model_len=256, kv_cache_bytes=1 << 22, dtype="float32", device="cpu")
+    assert llm.engine._grammars._process is None
+    assert "the grammars stay in the engine's process" in caplog.text
+    structured = ("json_schema", SCHEMA)
+    (out,) = llm.generate(["one"], SamplingParams(max_tokens=16, temperature=0.0, structured=structured))
+    assert out.token_ids and allowed_throughout(llm, structured, out.token_ids)

@@ -258,3 +258,29 @@ def test_packed_buffers_refuse_a_strided_buffer():
 
     with pytest.raises(ValueError, match="'x' must be contiguous"):
         PackedBuffers({"x": torch.zeros(4, 4).t()})
+
+
+def test_a_shared_mirror_lies_in_shared_memory_or_falls_back_to_the_processs(monkeypatch, caplog):
+    """A mirror asked for in shared memory (the masked head's, which a grammar process fills) is there; a
+    host without shared memory gets one of the process's own, said, and the buffers work the same."""
+    from modelfleet.dataplane.engine import shared_host
+    from modelfleet.dataplane.kernels.cuda_graphs import PackedBuffers
+
+    given = {
+        "bits": torch.arange(8, dtype=torch.int32).view(2, 4),
+        "flags": torch.zeros(2, dtype=torch.int32),
+    }
+    shared = PackedBuffers(given, shared=True)
+    place = shared_host.place_of(shared.host_tensors["bits"])
+    assert place is not None and place.offset == shared.offsets["bits"]
+
+    def no_shared_memory(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "/dev/shm")
+
+    monkeypatch.setattr(shared_host, "shared_bytes", no_shared_memory)
+    private = PackedBuffers(given, shared=True)
+    assert shared_host.place_of(private.host_tensors["bits"]) is None
+    assert "not in shared memory" in caplog.text
+    private.host_views["bits"][:] = 5
+    private.send(last_rows=2)
+    assert (private.device_views["bits"] == 5).all()
