@@ -6,15 +6,17 @@ rows (1B preset, H200), all of it held under the interpreter lock or spent handi
 the matchers' native accept (~2 us a row, the lock held: a thread cannot take it), the Python around it,
 and the fill's handoff to its thread and back. Here the engine thread sends one message a step (each
 constrained row's matcher slot and the tokens it follows) and, before the masked sampling is queued,
-reads one reply (the rows still constrained); the bitmask itself is written into shared memory that the
-engine copies into the sampler's host buffer (a decode graph's pinned input mirror).
+reads one reply (the rows still constrained). The process fills the bitmask, split over two threads of
+its own (_SplitFill), straight into a decode graph's pinned input mirror, which lies in shared memory
+(engine/shared_host.py); a buffer elsewhere (the eager sampler's) is filled in a shared one of this
+process's and copied in.
 
-Two pipes. Steps: the engine thread and this process's main thread, one message and one reply per step,
-in order. Compiles: a thread at each end (the engine side's resolves the compile futures), so that a
+Two socket pairs. Steps: the engine thread and the process's main thread, one message and one reply a
+step, in order. Compiles: a thread at each end (the engine side's resolves the compile futures), so that a
 compile never holds up a step. A matcher's slot opens with the step that first uses it and closes with
 its sequence (RemoteGrammar's finalizer); both ride on the next step's message.
 
-The process ends with the engine (its pipe closes); if it dies first, the step waiting on it fails with
+The process ends with the engine (its sockets close); if it dies first, the step waiting on it fails with
 that error, and so does every compile still pending."""
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import array
 import contextlib
 import itertools
-import logging
 import mmap
 import os
 import socket
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
 
-logger = logging.getLogger(__name__)
 
 # A step's message: rows in the batch, the number of the bitmask to fill, then how many (row, slot, token)
 # entries, (slot, token) catch-ups, opened (slot, schema) and closed slots follow as int32, and the
@@ -160,8 +160,9 @@ class GrammarProcess:
         `host` (int32 [>= num_rows, words]) itself where it lies in shared memory (shared_host: a
         decode graph's input mirror), else a buffer of this process's that `wait` copies from. One step
         at a time: `wait` ends it."""
-        if self._waiting:  # a step dropped before its wait: its reply goes with it
-            self._reply()
+        if self._waiting:  # a step dropped before its wait: its reply (and any error) goes with it
+            with contextlib.suppress(RuntimeError):
+                self._reply()
         entries: list[int] = []  # row, slot, token (-1: none to follow)
         catch_up: list[int] = []  # slot, token: known tokens a row is behind on, before its entry's
         inflight: list[int] | None = None
@@ -171,13 +172,13 @@ class GrammarProcess:
                 continue
             known = seq.output_token_ids
             accepted = grammar.num_accepted
-            target = len(known) + seq.num_inflight - 1
+            due = len(known) + seq.num_inflight - 1  # tokens to follow: all but this step's
             token = -1
-            if accepted < target:
-                while accepted < len(known) and accepted < target:  # a row behind: its known tokens first
+            if accepted < due:
+                while accepted < len(known) and accepted < due:  # a row behind: its known tokens first
                     catch_up += (grammar.slot, known[accepted])
                     accepted += 1
-                if accepted < target:
+                if accepted < due:
                     if inflight is None:
                         if previous is None:
                             raise RuntimeError(
@@ -229,8 +230,10 @@ class GrammarProcess:
         return values.tolist()
 
     def _target(self, host: torch.Tensor, num_rows: int) -> int:
-        """The number of the bitmask the process fills this step: `host` where shared, else _own."""
+        """The number of the bitmask the process fills this step: `host` where shared, else _own (which
+        `wait` copies from)."""
         place = place_of(host)
+        self._copy_from = None
         if place is None or not host.is_contiguous():
             if self._own.shape[0] < num_rows:
                 self._own = self._own_buffer(num_rows)

@@ -216,3 +216,24 @@ def test_without_shared_memory_the_grammars_stay_in_the_engines_process(tiny_mod
     structured = ("json_schema", SCHEMA)
     (out,) = llm.generate(["one"], SamplingParams(max_tokens=16, temperature=0.0, structured=structured))
     assert out.token_ids and allowed_throughout(llm, structured, out.token_ids)
+
+
+def test_a_step_dropped_before_its_wait_takes_its_reply_and_error_with_it(remote):
+    """A step begun and never waited for (the engine dropped it): the next step reads past its reply,
+    and past its error, and gets its own."""
+    from types import SimpleNamespace
+
+    engine = remote.engine
+    schema = engine._grammars.compile(("json_schema", SCHEMA)).result()
+    vocab = schema.vocab
+    good = [
+        SimpleNamespace(grammar=Grammars.matcher(schema), output_token_ids=[], num_inflight=1, sample_row=0)
+    ]
+    stray = RemoteGrammar(schema.process, 10**6, vocab)
+    bad = [SimpleNamespace(grammar=stray, output_token_ids=[], num_inflight=1, sample_row=0)]
+    masks, shape, cpu = GrammarMasks(), (1, vocab.model_size), torch.device("cpu")
+    masks.begin(shape, cpu, bad, None, background=True)  # fails in the process; never waited for
+    masks.begin(shape, cpu, good, None, background=True)  # dropped too
+    begun = masks.begin(shape, cpu, good, None, background=True)
+    assert masks.wait(begun) == [0]
+    stray.process = SimpleNamespace(release=lambda slot: None)  # never opened: nothing to close
