@@ -18,6 +18,9 @@ Where the work happens:
   just before step n+2 is launched (finish), one copy of it to the device and one masking kernel. On a
   GPU's decode graphs the bitmask fills straight into the masked sampling head's pinned inputs and goes
   over with them, in their one copy (MaskedHeadGraphs.host_bits).
+- On a GPU all of that but the copy and the masking happens in a grammar process of the engine's
+  (engine/grammar_process.py; RemoteGrammar here stands for a sequence's matcher there): the engine
+  thread sends each step's tokens there and waits for the rows it filled.
 
 Strings of bounded length (maxLength) are compiled as one rule per character written rather than as
 xgrammar's counted repetition (`bounded_strings_as_chains`): the same language and masks, but masks
@@ -514,10 +517,8 @@ class GrammarMasks:
             return None
         rows = [i for i, _ in live]
         vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
-        num_rows, width = shape
-        if width != vocab.model_size:
-            raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
-        host = self._fill_buffer(vocab, num_rows, device, into)
+        num_rows = shape[0]
+        host = self._fill_buffer(vocab, shape, device, into)
         matchers = [g.matcher for _, g in live]
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
@@ -538,11 +539,8 @@ class GrammarMasks:
         into: torch.Tensor | None,
     ) -> BegunMasks:
         """begin, for matchers in a grammar process: the step sent there, its reply read in the wait."""
-        num_rows, width = shape
-        vocab = first.vocab
-        if width != vocab.model_size:
-            raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
-        host = self._fill_buffer(vocab, num_rows, device, into)
+        num_rows, vocab = shape[0], first.vocab
+        host = self._fill_buffer(vocab, shape, device, into)
         first.process.start(seqs, previous, num_rows, host)
         begun = BegunMasks([], vocab, num_rows, host, first.process)
         if not background:
@@ -550,9 +548,13 @@ class GrammarMasks:
         return begun
 
     def _fill_buffer(
-        self, vocab: GrammarVocab, num_rows: int, device: torch.device, into: torch.Tensor | None
+        self, vocab: GrammarVocab, shape: tuple[int, int], device: torch.device, into: torch.Tensor | None
     ) -> torch.Tensor:
-        """The host bitmask a step fills: this sampler's own, or the caller's `into` once checked."""
+        """The host bitmask a step of `shape` (rows, model ids) fills: this sampler's own, or the caller's
+        `into`, once both are checked."""
+        num_rows, width = shape
+        if width != vocab.model_size:
+            raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
         words = bitmask_layout(vocab).words
         host = self._host_buffer(num_rows, words, device) if into is None else into
         if host.shape[0] < num_rows or host.shape[1] != words or host.element_size() != 4:
