@@ -235,8 +235,8 @@ class GrammarProcess:
         place = place_of(host)
         self._copy_from = None
         if place is None or not host.is_contiguous():
-            if self._own.shape[0] < num_rows:
-                self._own = self._own_buffer(num_rows)
+            if self._own.shape[0] < num_rows:  # grown by doubling: each buffer stays mapped
+                self._own = self._own_buffer(max(num_rows, 2 * self._own.shape[0]))
             host = self._copy_from = self._own
             place = place_of(host)
             assert place is not None  # made shared

@@ -478,6 +478,7 @@ class GrammarMasks:
         self._filler = xgrammar.BatchGrammarMatcher(max_threads=threads)
         self._worker: _FillWorker | None = None  # started with the first fill in the background
         self._host: torch.Tensor | None = None
+        self._shared = False  # whether _host lies in shared memory
         self._device: torch.Tensor | None = None
         self._copied: Any = None  # a CUDA event once a copy was queued
         self._padding: _PaddingMask | None = None
@@ -518,7 +519,7 @@ class GrammarMasks:
         rows = [i for i, _ in live]
         vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
         num_rows = shape[0]
-        host = self._fill_buffer(vocab, shape, device, into)
+        host = self._fill_buffer(vocab, shape, device, into, shared=False)
         matchers = [g.matcher for _, g in live]
         if not background:
             self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
@@ -540,7 +541,7 @@ class GrammarMasks:
     ) -> BegunMasks:
         """begin, for matchers in a grammar process: the step sent there, its reply read in the wait."""
         num_rows, vocab = shape[0], first.vocab
-        host = self._fill_buffer(vocab, shape, device, into)
+        host = self._fill_buffer(vocab, shape, device, into, shared=True)
         first.process.start(seqs, previous, num_rows, host)
         begun = BegunMasks([], vocab, num_rows, host, first.process)
         if not background:
@@ -548,15 +549,21 @@ class GrammarMasks:
         return begun
 
     def _fill_buffer(
-        self, vocab: GrammarVocab, shape: tuple[int, int], device: torch.device, into: torch.Tensor | None
+        self,
+        vocab: GrammarVocab,
+        shape: tuple[int, int],
+        device: torch.device,
+        into: torch.Tensor | None,
+        *,
+        shared: bool,
     ) -> torch.Tensor:
-        """The host bitmask a step of `shape` (rows, model ids) fills: this sampler's own, or the caller's
-        `into`, once both are checked."""
+        """The host bitmask a step of `shape` (rows, model ids) fills: this sampler's own (in shared
+        memory if `shared`), or the caller's `into`, once both are checked."""
         num_rows, width = shape
         if width != vocab.model_size:
             raise ValueError(f"logits of {width} ids for grammars of a {vocab.model_size}-id model")
         words = bitmask_layout(vocab).words
-        host = self._host_buffer(num_rows, words, device) if into is None else into
+        host = self._host_buffer(num_rows, words, device, shared) if into is None else into
         if host.shape[0] < num_rows or host.shape[1] != words or host.element_size() != 4:
             raise ValueError(f"a bitmask buffer of {tuple(host.shape)} for {num_rows} rows of {words} int32")
         return host
@@ -633,18 +640,25 @@ class GrammarMasks:
         self._copied.record()
         return bitmask
 
-    def _host_buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
-        """The host bitmask, free to fill: the copy queued from it last has run."""
+    def _host_buffer(self, num_rows: int, words: int, device: torch.device, shared: bool) -> torch.Tensor:
+        """The host bitmask, free to fill: the copy queued from it last has run. `shared`: in shared
+        memory, where a grammar process fills it itself (engine/shared_host.py)."""
         import torch
 
         if self._copied is not None:
             self._copied.synchronize()
         host = self._host
-        if host is None or host.shape[0] < num_rows or host.shape[1] != words:
-            rows = max(MIN_ROWS, num_rows)
+        if host is None or host.shape[0] < num_rows or host.shape[1] != words or self._shared != shared:
+            rows = max(MIN_ROWS, num_rows, 2 * host.shape[0] if host is not None else 0)  # few regrowths
             on_device = device.type != "cpu"
-            host = torch.empty((rows, words), dtype=torch.int32, pin_memory=on_device)
-            self._host = host
+            if shared:
+                from modelfleet.dataplane.engine.shared_host import shared_bytes
+
+                memory = shared_bytes(rows * words * 4, pinned=on_device)
+                host = memory.view(torch.int32).view(rows, words)
+            else:
+                host = torch.empty((rows, words), dtype=torch.int32, pin_memory=on_device)
+            self._host, self._shared = host, shared
             if on_device:
                 self._device = torch.empty((rows, words), dtype=torch.int32, device=device)
                 self._copied = torch.cuda.Event()

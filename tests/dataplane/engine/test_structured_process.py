@@ -237,3 +237,18 @@ def test_a_step_dropped_before_its_wait_takes_its_reply_and_error_with_it(remote
     begun = masks.begin(shape, cpu, good, None, background=True)
     assert masks.wait(begun) == [0]
     stray.process = SimpleNamespace(release=lambda slot: None)  # never opened: nothing to close
+
+
+def test_the_samplers_own_bitmask_is_filled_in_place_too(remote):
+    """A step sampled outside a decode graph (a prefill's) has the grammars fill the sampler's own host
+    bitmask: in shared memory, filled by the process itself, with no copy."""
+    from types import SimpleNamespace
+
+    schema = remote.engine._grammars.compile(("json_schema", SCHEMA)).result()
+    seqs = [
+        SimpleNamespace(grammar=Grammars.matcher(schema), output_token_ids=[], num_inflight=1, sample_row=0)
+    ]
+    masks = GrammarMasks()
+    begun = masks.begin((1, schema.vocab.model_size), torch.device("cpu"), seqs, None, background=True)
+    assert place_of(begun.host) in schema.process._targets and schema.process._copy_from is None
+    assert masks.wait(begun) == [0] and begun.host[0].any()
