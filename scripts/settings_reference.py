@@ -67,8 +67,9 @@ SHARED = [
 ENGINE = [
     (
         "`MODELFLEET_GRAMMARS`",
-        "`process` (the default) or `thread`: where a GPU engine's structured-output grammars live, a "
-        "process of their own (engine/grammar_process.py) or the engine's (a CPU engine's always)",
+        "`process` or `thread`: where an engine's structured-output grammars live, a process of their "
+        "own (engine/grammar_process.py) or the engine's; unset: a process of their own where decode "
+        "steps sample in CUDA graphs (a GPU's), else the engine's",
     ),
     (
         "`MODELFLEET_GRAMMAR_THREADS`",

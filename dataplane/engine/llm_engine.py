@@ -317,10 +317,10 @@ class LLMEngine(PromptChecks):
         their own unless MODELFLEET_GRAMMARS says otherwise (engine/grammar_process.py)."""
         from modelfleet.dataplane.engine.model_runner import ModelRunner
 
+        in_process = grammars_in_process(default=True)  # read first: a bad value stops any engine at start
         runner = self.runner
         if self.tokenizer is None or not (isinstance(runner, ModelRunner) and runner.samples_in_graphs):
             return  # other runners (GraphRunner's exported graphs) and the CPU's
-        in_process = grammars_in_process()  # a bad value stops the engine at its start
         grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         try:
             vocab = grammars.prepare()
@@ -329,10 +329,7 @@ class LLMEngine(PromptChecks):
             grammars.close()
             return
         if in_process:
-            try:
-                grammars.start_process(fill_threads())
-            except OSError as exc:  # no shared memory to map (/dev/shm), or no process to start
-                logger.warning("structured output: the grammars stay in the engine's process: %s", exc)
+            _start_grammar_process(grammars)
         self._grammars = grammars
         import torch
 
@@ -347,7 +344,10 @@ class LLMEngine(PromptChecks):
         if params.structured is None:
             return None
         if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            if grammars_in_process(default=False):  # asked for where the engine would not (a CPU's)
+                _start_grammar_process(grammars)
+            self._grammars = grammars
         return self._grammars.compile(params.structured)
 
     @staticmethod
@@ -605,6 +605,13 @@ class LLMEngine(PromptChecks):
             "spec_acceptance_rate": spec.acceptance_rate,
             "spec_mean_accepted_length": spec.mean_accepted_length,
         }
+
+
+def _start_grammar_process(grammars: Grammars) -> None:
+    try:
+        grammars.start_process(fill_threads())
+    except OSError as exc:  # no shared memory to map (/dev/shm), or no process to start
+        logger.warning("structured output: the grammars stay in the engine's process: %s", exc)
 
 
 def _runner_config(config: EngineConfig, model_config: ModelConfig) -> EngineConfig:

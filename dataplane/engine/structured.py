@@ -373,17 +373,18 @@ MIN_ROWS = 64
 FILL_THREADS_ENV = "MODELFLEET_GRAMMAR_THREADS"
 
 
-# Where a GPU engine's grammars live: "process" (a process of their own, engine/grammar_process.py) or
+# Where an engine's grammars live: "process" (a process of their own, engine/grammar_process.py) or
 # "thread" (the engine's process: matchers followed on the engine thread, fills on a worker thread).
+# Unset: a process where decode steps sample in CUDA graphs (a GPU's), else the engine's.
 GRAMMARS_ENV = "MODELFLEET_GRAMMARS"
 
 
-def grammars_in_process() -> bool:
-    """Whether the environment puts a GPU engine's grammars in a process of their own (the default)."""
-    value = os.environ.get(GRAMMARS_ENV, "process").strip()
-    if value not in ("process", "thread"):
+def grammars_in_process(default: bool) -> bool:
+    """Whether the environment puts an engine's grammars in a process of their own; `default` if unset."""
+    value = os.environ.get(GRAMMARS_ENV, "").strip()
+    if value not in ("", "process", "thread"):
         raise ValueError(f"{GRAMMARS_ENV}: {value!r} must be 'process' or 'thread'")
-    return value == "process"
+    return default if not value else value == "process"
 
 
 def fill_threads() -> int | str:
