@@ -252,3 +252,9 @@ def test_the_samplers_own_bitmask_is_filled_in_place_too(remote):
     begun = masks.begin((1, schema.vocab.model_size), torch.device("cpu"), seqs, None, background=True)
     assert place_of(begun.host) in schema.process._targets and schema.process._copy_from is None
     assert masks.wait(begun) == [0] and begun.host[0].any()
+
+
+def test_a_bad_grammars_setting_stops_an_engine_at_its_start(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("MODELFLEET_GRAMMARS", "threads")
+    with pytest.raises(ValueError, match="MODELFLEET_GRAMMARS: 'threads' must be 'process' or 'thread'"):
+        make_llm(tiny_model_dir, in_process=False)
