@@ -156,10 +156,13 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     (schedule, launch, finish_launched) and, on a GPU, the graph path's parts: graphs_run (the forward
     graph), head_run (a constrained step's head graph: its inputs, the bitmask filled into them, their
     one copy and the replay), graph_sampled (the tokens' read-back queued), fill_start (handing the
-    fill to the worker thread). The functions are restored on exit: the timers' own cost (a timed
-    call per accept) stays out of the step times measured without them."""
+    fill to the worker thread). With the grammars in a process of their own (a GPU's default,
+    engine/grammar_process.py): grammar_send (a step's tokens sent there) and grammar_reply (waiting for
+    the rows it filled), both within structured. The functions are restored on exit: the timers' own
+    cost (a timed call per accept) stays out of the step times measured without them."""
     import xgrammar
     from modelfleet.dataplane.engine import structured
+    from modelfleet.dataplane.engine.grammar_process import GrammarProcess
     from modelfleet.dataplane.engine.sampler import SampledBatch
 
     def part(name: str, within: str | None = None) -> Callable:
@@ -178,6 +181,8 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
             (structured, "_follow_tokens", part("follow", "structured")),
             (SampledBatch, "host_token_ids", part("wait", "structured")),
             (structured._FillWorker, "wait", part("fill_wait", "structured")),
+            (GrammarProcess, "start", part("grammar_send", "structured")),
+            (GrammarProcess, "_reply", part("grammar_reply", "structured")),
             (xgrammar.BatchGrammarMatcher, "batch_fill_next_token_bitmask", part("fill")),
             (xgrammar, "apply_token_bitmask_inplace", part("mask")),
             (structured._PaddingMask, "apply", part("mask")),
