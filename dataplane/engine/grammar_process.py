@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -406,4 +407,6 @@ def _compile_loop(compiles: Connection, compiler: Any, compiled: dict[int, Any])
 
 
 if __name__ == "__main__":  # GrammarProcess's child: the two socket ends it was given
+    # Ctrl-C reaches the whole process group: it stops the server, whose engine closes these sockets.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _serve(*(Connection(int(fd)) for fd in sys.argv[1:3]))

@@ -258,3 +258,17 @@ def test_a_bad_grammars_setting_stops_an_engine_at_its_start(tiny_model_dir, mon
     monkeypatch.setenv("MODELFLEET_GRAMMARS", "threads")
     with pytest.raises(ValueError, match="MODELFLEET_GRAMMARS: 'threads' must be 'process' or 'thread'"):
         make_llm(tiny_model_dir, in_process=False)
+
+
+def test_ctrl_c_leaves_the_grammar_process_to_its_engine(remote):
+    """Ctrl-C reaches every process of the terminal's group: the grammar process ignores it (the server
+    stops, and its engine's close ends the process), and serves on meanwhile."""
+    import signal
+
+    process = remote.engine._grammars._process
+    process._process.send_signal(signal.SIGINT)
+    structured = ("json_schema", SCHEMA)
+    (out,) = remote.generate(["one"], SamplingParams(max_tokens=12, temperature=0.0, structured=structured))
+    assert out.error is None and process.alive
+    process.close()
+    assert not process.alive and process._process.returncode == 0
