@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 from modelfleet.dataplane.engine.shared_host import Place, attach, place_of, shared_bytes
-from modelfleet.dataplane.engine.structured import GrammarVocab, RemoteGrammar, bitmask_layout, compile_schema
+from modelfleet.dataplane.engine.structured import (
+    GrammarVocab,
+    RemoteGrammar,
+    bitmask_layout,
+    compile_schema,
+    due_tokens,
+)
 
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.sampler import SampledBatch
@@ -157,7 +163,7 @@ class GrammarProcess:
         self, seqs: list[Sequence], previous: SampledBatch | None, num_rows: int, host: torch.Tensor
     ) -> None:
         """Sends a step: each constrained row's slot and the tokens its matcher has not followed yet (a
-        token in flight read from `previous`, as structured._follow_tokens), and where the bitmask goes:
+        token in flight read from `previous`: structured.due_tokens), and where the bitmask goes:
         `host` (int32 [>= num_rows, words]) itself where it lies in shared memory (shared_host: a
         decode graph's input mirror), else a buffer of this process's that `wait` copies from. One step
         at a time: `wait` ends it."""
@@ -166,29 +172,9 @@ class GrammarProcess:
                 self._reply()
         entries: list[int] = []  # row, slot, token (-1: none to follow)
         catch_up: list[int] = []  # slot, token: known tokens a row is behind on, before its entry's
-        inflight: list[int] | None = None
-        for i, seq in enumerate(seqs):  # once a step for every row: plain code
-            grammar = seq.grammar
-            if grammar is None:
-                continue
-            known = seq.output_token_ids
-            accepted = grammar.num_accepted
-            due = len(known) + seq.num_inflight - 1  # tokens to follow: all but this step's
-            token = -1
-            if accepted < due:
-                while accepted < len(known) and accepted < due:  # a row behind: its known tokens first
-                    catch_up += (grammar.slot, known[accepted])
-                    accepted += 1
-                if accepted < due:
-                    if inflight is None:
-                        if previous is None:
-                            raise RuntimeError(
-                                f"{seq.request_id}: a token in flight but no sampled batch holds it"
-                            )
-                        inflight = previous.host_token_ids()
-                    token = inflight[seq.sample_row]
-                    accepted += 1
-                grammar.num_accepted = accepted
+        for i, grammar, behind, token in due_tokens(seqs, previous):
+            for t in behind:
+                catch_up += (grammar.slot, t)
             entries += (i, grammar.slot, token)
         target = self._target(host, num_rows)
         opened, self._opened = self._opened, []

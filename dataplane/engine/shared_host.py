@@ -8,12 +8,15 @@ multiprocessing's resource tracker if the process is killed)."""
 from __future__ import annotations
 
 import atexit
+import logging
 import mmap
 import os
 from multiprocessing.shared_memory import SharedMemory
 from typing import NamedTuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Segments by their first byte's address: where a tensor lies (place_of).
 _SEGMENTS: dict[int, SharedMemory] = {}
@@ -38,6 +41,17 @@ def shared_bytes(nbytes: int, *, pinned: bool) -> torch.Tensor:
             raise RuntimeError(f"cudaHostRegister of {nbytes} shared bytes failed ({status})")
     _SEGMENTS[memory.data_ptr()] = segment
     return memory
+
+
+def host_bytes(nbytes: int, *, pinned: bool, shared: bool) -> torch.Tensor:
+    """uint8 [nbytes] on the host: in shared memory if `shared` and the host has it (else the process's
+    own, said once in the log: a helper process then fills a buffer of its own, copied in)."""
+    if shared:
+        try:
+            return shared_bytes(nbytes, pinned=pinned)
+        except OSError as exc:
+            logger.warning("a buffer helper processes write is not in shared memory (%s): copied in", exc)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
 
 def place_of(tensor: torch.Tensor) -> Place | None:

@@ -645,6 +645,7 @@ class GrammarMasks:
         """The host bitmask, free to fill: the copy queued from it last has run. `shared`: in shared
         memory, where a grammar process fills it itself (engine/shared_host.py)."""
         import torch
+        from modelfleet.dataplane.engine.shared_host import host_bytes
 
         if self._copied is not None:
             self._copied.synchronize()
@@ -652,13 +653,8 @@ class GrammarMasks:
         if host is None or host.shape[0] < num_rows or host.shape[1] != words or self._shared != shared:
             rows = max(MIN_ROWS, num_rows, 2 * host.shape[0] if host is not None else 0)  # few regrowths
             on_device = device.type != "cpu"
-            if shared:
-                from modelfleet.dataplane.engine.shared_host import shared_bytes
-
-                memory = shared_bytes(rows * words * 4, pinned=on_device)
-                host = memory.view(torch.int32).view(rows, words)
-            else:
-                host = torch.empty((rows, words), dtype=torch.int32, pin_memory=on_device)
+            memory = host_bytes(rows * words * 4, pinned=on_device, shared=shared)
+            host = memory.view(torch.int32).view(rows, words)
             self._host, self._shared = host, shared
             if on_device:
                 self._device = torch.empty((rows, words), dtype=torch.int32, device=device)
@@ -724,34 +720,58 @@ class _PaddingMask:
         logits[far_cells] = kept
 
 
-def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, SequenceGrammar]]:
-    """Brings each constrained row's matcher up to the token it samples now; (row, grammar) pairs of the
-    rows whose grammar is not yet terminated (a terminated one has accepted its end: its sequence is
-    ending, and the row's token is dropped). A row's tokens before this step are on the host but the
-    last, which may still be in flight (a row counts this step's token in flight too): it is read from
-    `previous` at the row's sample_row. Once per step for every constrained row: plain loops, and the
-    usual case, one token in flight a row, accepted by all rows in one native call (a rejected token,
-    a failed row's, is ignored there too)."""
-    rows: list[tuple[int, SequenceGrammar]] = []
-    handles: list[Any] = []
-    tokens: list[int] = []
+def due_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, Any, list[int], int]]:
+    """What each constrained row's matcher follows before the row samples now: (row, grammar, the known
+    tokens it is behind on, its token in flight or -1), each grammar's num_accepted moved past them. A
+    row's tokens before this step are on the host but the last, which may still be in flight (a row
+    counts this step's token in flight too): it is read from `previous` at the row's sample_row. Once
+    per step for every constrained row, wherever the matchers live: plain code."""
+    due: list[tuple[int, Any, list[int], int]] = []
     inflight: list[int] | None = None
     for i, seq in enumerate(seqs):
         grammar = seq.grammar
         if grammar is None:
             continue
         known = seq.output_token_ids
+        accepted = grammar.num_accepted
         target = len(known) + seq.num_inflight - 1
-        while grammar.num_accepted < min(target, len(known)):  # a row behind: its known tokens first
-            grammar.accept(known[grammar.num_accepted])
-        if grammar.num_accepted < target:
-            if inflight is None:
-                if previous is None:
-                    raise RuntimeError(f"{seq.request_id}: a token in flight but no sampled batch holds it")
-                inflight = previous.host_token_ids()
+        behind = _NONE_BEHIND
+        token = -1
+        if accepted < target:
+            if accepted < len(known):  # a row behind: its known tokens first
+                behind = known[accepted : min(target, len(known))]
+                accepted += len(behind)
+            if accepted < target:
+                if inflight is None:
+                    if previous is None:
+                        raise RuntimeError(
+                            f"{seq.request_id}: a token in flight but no sampled batch holds it"
+                        )
+                    inflight = previous.host_token_ids()
+                token = inflight[seq.sample_row]
+                accepted += 1
+            grammar.num_accepted = accepted
+        due.append((i, grammar, behind, token))
+    return due
+
+
+_NONE_BEHIND: list[int] = []  # shared, never changed
+
+
+def _follow_tokens(seqs: list[Sequence], previous: SampledBatch | None) -> list[tuple[int, SequenceGrammar]]:
+    """Brings each constrained row's matcher up to the token it samples now (due_tokens); (row, grammar)
+    pairs of the rows whose grammar is not yet terminated (a terminated one has accepted its end: its
+    sequence is ending, and the row's token is dropped). The usual case, one token in flight a row, is
+    accepted by all rows in one native call (a rejected token, a failed row's, is ignored there too)."""
+    rows: list[tuple[int, SequenceGrammar]] = []
+    handles: list[Any] = []
+    tokens: list[int] = []
+    for i, grammar, behind, token in due_tokens(seqs, previous):
+        for t in behind:
+            grammar.matcher.accept_token(grammar.vocab.grammar_id(t))
+        if token >= 0:
             handles.append(grammar.handle)
-            tokens.append(grammar.vocab.grammar_id(inflight[seq.sample_row]))
-            grammar.num_accepted += 1
+            tokens.append(grammar.vocab.grammar_id(token))
         rows.append((i, grammar))
     if handles:
         _accept_tokens(handles, tokens)

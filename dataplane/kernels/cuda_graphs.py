@@ -328,8 +328,10 @@ class PackedBuffers:
         self.row_bytes = {name: _row_bytes(buffers[name]) for name in order}
         device = buffers[self.last].device
         self.device_bytes = torch.empty(size, dtype=torch.uint8, device=device)
+        from modelfleet.dataplane.engine.shared_host import host_bytes
+
         with torch.inference_mode(False):  # usable from inside and outside inference mode
-            self.host_bytes = _host_bytes(size, pinned=device.type == "cuda", shared=shared)
+            self.host_bytes = host_bytes(size, pinned=device.type == "cuda", shared=shared)
         self.device_views: dict[str, torch.Tensor] = {}
         self.host_views: dict[str, np.ndarray] = {}
         self.host_tensors: dict[str, torch.Tensor] = {}  # the same, for writers that take a tensor
@@ -358,19 +360,6 @@ class PackedBuffers:
 
     def _copy(self, start: int, end: int) -> None:
         self.device_bytes[start:end].copy_(self.host_bytes[start:end], non_blocking=True)
-
-
-def _host_bytes(size: int, *, pinned: bool, shared: bool) -> torch.Tensor:
-    """A mirror's memory: shared where asked and the host has shared memory, else the process's own (a
-    grammar process then fills a buffer of its own, copied in: engine/grammar_process.py)."""
-    if shared:
-        from modelfleet.dataplane.engine.shared_host import shared_bytes
-
-        try:
-            return shared_bytes(size, pinned=pinned)
-        except OSError as exc:
-            logger.warning("a graph's input mirror is not in shared memory: %s", exc)
-    return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
 
 
 def _row_bytes(buf: torch.Tensor) -> int:
