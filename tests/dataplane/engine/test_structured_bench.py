@@ -119,3 +119,20 @@ def test_rounds_give_each_ratio_and_their_median_and_spread(bench):
         "structured_vs_plain_spread": 0.1,
     }
     assert serve.structured_summary([{"mode": "plain", "output_throughput_tok_s": 0.0}]) is None
+
+
+def test_the_fill_bench_times_the_split_fill_against_xgrammars_pool(bench, tiny_model_dir, capsys):
+    """bench/grammar_fill.py, on the demo model's tokenizer: one line with the baseline (xgrammar's pool)
+    and the grammar process's split fill for each thread count, and one thread's."""
+    import grammar_fill
+
+    assert (
+        grammar_fill.main(
+            ["--model", str(tiny_model_dir), "--rows", "6", "--threads", "2", "3", "--repeats", "3"]
+        )
+        == 0
+    )
+    line = json.loads(capsys.readouterr().out)
+    assert line["bench"] == "grammar_fill" and line["rows"] == 6
+    for key in ("one_thread_ms", "xgrammar_pool_2_ms", "split_2_ms", "xgrammar_pool_3_ms", "split_3_ms"):
+        assert line[key] > 0, key
