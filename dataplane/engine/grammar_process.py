@@ -335,7 +335,7 @@ class _SplitFill:
     threads-th row with a single-threaded xgrammar filler. xgrammar's own pool (a BatchGrammarMatcher of
     several threads) cost more than it shared out: 64 rows of bench/serve.py's records schema filled in
     1.00 ms on one thread, 0.81 / 0.65 / 1.03 ms on xgrammar's 2 / 4 / 8, and 0.35 / 0.53 / 0.51 ms split
-    here over 2 / 4 / 8 (an H200 host's vCPUs; a few rows cost ~250 us, most ~3 us)."""
+    here over 2 / 4 / 8 (an H200 host's vCPUs; a few rows cost ~250 us, most ~3 us; bench/grammar_fill.py)."""
 
     def __init__(self, xgrammar: Any, threads: int) -> None:
         self._fillers = [xgrammar.BatchGrammarMatcher(max_threads=1) for _ in range(threads)]
