@@ -51,15 +51,18 @@ from modelfleet.dataplane.engine.structured import (
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
+    from modelfleet.dataplane.kernels.host_signal import MaskReady
 
 
-# A step's message: rows in the batch, the number of the bitmask to fill, then how many (row, slot, token)
-# entries, (slot, token) catch-ups, opened (slot, schema) and closed slots follow as int32, and the
-# length of a new bitmask's description (_NEW_TARGET), at the end.
-_HEADER = struct.Struct("<7i")
-# A bitmask the process has not filled before: its number, offset in its segment and rows, then the
-# segment's name.
-_NEW_TARGET = struct.Struct("<3i")
+# A step's message: rows in the batch, the number of the bitmask to fill, the signal number to release
+# once it has filled (0: none), then how many (row, slot, token) entries, (slot, token) catch-ups, opened
+# (slot, schema) and closed slots follow as int32, and the length of a new bitmask's description
+# (_NEW_TARGET), at the end.
+_HEADER = struct.Struct("<8i")
+# A bitmask the process has not filled before: its number, offset in its segment and rows, the offsets of
+# its row flags (in the same segment) and of its signal (kernels/host_signal.py), -1 where it has none;
+# then the segment's name and the signal's segment's, a newline between.
+_NEW_TARGET = struct.Struct("<5i")
 # A reply that is an error, not the live rows: this, then the message in UTF-8.
 _FAILED = -1
 # Rows of bitmask the process's own buffer holds at least; it grows with the batch.
@@ -106,7 +109,10 @@ class GrammarProcess:
         self._opened: list[int] = []  # slot, key pairs for the next step's message
         self._closed: deque[int] = deque()  # appended by finalizers, on any thread
         self._copy_from: torch.Tensor | None = None  # _own, where the step sent last filled it
-        self._targets: dict[Place, int] = {}  # the bitmasks the process fills, by their number there
+        self._ready: MaskReady | None = None  # the step sent last's masked head, its flags and signal
+        self._marks = False  # whether the process itself writes those
+        # the bitmasks the process fills (and their flags and signals), by their number there
+        self._targets: dict[tuple[Place, Place | None, Place | None], int] = {}
         self._new_target = b""  # the next message's: a target's number, offset, rows, segment name
         self._waiting = False
         threading.Thread(target=self._read_compiles, name="modelfleet-grammar-compiles", daemon=True).start()
@@ -160,29 +166,53 @@ class GrammarProcess:
         self._closed.append(slot)
 
     def start(
-        self, seqs: list[Sequence], previous: SampledBatch | None, num_rows: int, host: torch.Tensor
+        self,
+        seqs: list[Sequence],
+        previous: SampledBatch | None,
+        num_rows: int,
+        host: torch.Tensor,
+        ready: MaskReady | None = None,
     ) -> None:
         """Sends a step: each constrained row's slot and the tokens its matcher has not followed yet (a
         token in flight read from `previous`: structured.due_tokens), and where the bitmask goes:
         `host` (int32 [>= num_rows, words]) itself where it lies in shared memory (shared_host: a
-        decode graph's input mirror), else a buffer of this process's that `wait` copies from. One step
-        at a time: `wait` ends it."""
+        decode graph's input mirror), else a buffer of this process's that `wait` copies from. With
+        `ready` (a masked head's: `host` is its bitmask), its row flags are written and its signal
+        released once the bitmask has filled: by the process where they lie in shared memory, else by
+        `wait`; on any failure, at once. One step at a time: `wait` ends it."""
         if self._waiting:  # a step dropped before its wait: its reply (and any error) goes with it
             with contextlib.suppress(RuntimeError):
                 self._reply()
+        self._ready = ready
+        try:
+            self._send(seqs, previous, num_rows, host, ready)
+        except BaseException:
+            self._release()
+            raise
+        self._waiting = True
+
+    def _send(
+        self,
+        seqs: list[Sequence],
+        previous: SampledBatch | None,
+        num_rows: int,
+        host: torch.Tensor,
+        ready: MaskReady | None,
+    ) -> None:
         entries: list[int] = []  # row, slot, token (-1: none to follow)
         catch_up: list[int] = []  # slot, token: known tokens a row is behind on, before its entry's
         for i, grammar, behind, token in due_tokens(seqs, previous):
             for t in behind:
                 catch_up += (grammar.slot, t)
             entries += (i, grammar.slot, token)
-        target = self._target(host, num_rows)
+        target = self._target(host, num_rows, ready)
         opened, self._opened = self._opened, []
         closed = [self._closed.popleft() for _ in range(len(self._closed))]
         new_target, self._new_target = self._new_target, b""
         header = _HEADER.pack(
             num_rows,
             target,
+            ready.number if ready is not None and self._marks else 0,
             len(entries) // 3,
             len(catch_up) // 2,
             len(opened) // 2,
@@ -194,15 +224,18 @@ class GrammarProcess:
             self._steps.send_bytes(header + body + new_target)
         except OSError:
             raise RuntimeError(self.ended()) from None
-        self._waiting = True
 
     def wait(self, host: torch.Tensor) -> list[int]:
         """Ends the step sent last: the rows still constrained, their bitmask rows in `host` (start's; the
-        other rows left as they are). RuntimeError with the process's error."""
+        other rows left as they are), and its masked head's flags and signal (start's `ready`) written.
+        RuntimeError with the process's error (the signal released all the same)."""
         rows = self._reply()
         source, self._copy_from = self._copy_from, None
         if rows and source is not None:
             host.numpy()[rows] = source.numpy()[rows]
+        ready, self._ready = self._ready, None
+        if ready is not None and not self._marks:
+            ready.mark(rows)
         return rows
 
     def _reply(self) -> list[int]:
@@ -210,15 +243,23 @@ class GrammarProcess:
         try:
             reply = self._steps.recv_bytes()
         except (EOFError, OSError):
+            self._release()
             raise RuntimeError(self.ended()) from None
         values = np.frombuffer(reply, dtype=np.int32, count=len(reply) // 4)
         if len(values) and values[0] == _FAILED:
+            self._release()
             raise RuntimeError(f"structured output: {reply[4:].decode()}")
         return values.tolist()
 
-    def _target(self, host: torch.Tensor, num_rows: int) -> int:
+    def _release(self) -> None:
+        """A failed step's masked head goes on (its tokens are dropped with the step)."""
+        ready, self._ready = self._ready, None
+        if ready is not None:
+            ready.release()
+
+    def _target(self, host: torch.Tensor, num_rows: int, ready: MaskReady | None) -> int:
         """The number of the bitmask the process fills this step: `host` where shared, else _own (which
-        `wait` copies from)."""
+        `wait` copies from); with `ready`'s flags and signal where they are shared too (_marks)."""
         place = place_of(host)
         self._copy_from = None
         if place is None or not host.is_contiguous():
@@ -227,10 +268,21 @@ class GrammarProcess:
             host = self._copy_from = self._own
             place = place_of(host)
             assert place is not None  # made shared
-        number = self._targets.get(place)
+        flags = signal = None
+        if ready is not None and self._copy_from is None:
+            flags, signal = place_of(ready.flags), ready.signal.place
+            if flags is None or signal is None or flags.name != place.name:
+                flags = signal = None
+        self._marks = signal is not None
+        key = (place, flags, signal)
+        number = self._targets.get(key)
         if number is None:
-            number = self._targets[place] = len(self._targets)
-            self._new_target = _NEW_TARGET.pack(number, place.offset, host.shape[0]) + place.name.encode()
+            number = self._targets[key] = len(self._targets)
+            offsets = (-1 if flags is None else flags.offset, -1 if signal is None else signal.offset)
+            names = f"{place.name}\n{'' if signal is None else signal.name}"
+            self._new_target = (
+                _NEW_TARGET.pack(number, place.offset, host.shape[0], *offsets) + names.encode()
+            )
         return number
 
     def _own_buffer(self, rows: int) -> torch.Tensor:
@@ -248,6 +300,7 @@ class GrammarProcess:
         return f"structured output: the grammar process ended (exit code {self._process.returncode})"
 
     def close(self) -> None:
+        self._release()
         for conn in (self._steps, self._compiles):
             conn.close()
         try:
@@ -272,13 +325,14 @@ def _serve(steps: Connection, compiles: Connection) -> None:
     matchers: dict[int, Any] = {}
     words = bitmask_layout(vocab).words
     segments: dict[str, mmap.mmap] = {}
-    targets: dict[int, Any] = {}  # the bitmasks to fill, by their numbers (GrammarProcess._target)
+    targets: dict[int, _Target] = {}  # the bitmasks to fill, by their numbers (GrammarProcess._target)
     while True:
         try:
             message = steps.recv_bytes()
         except (EOFError, OSError):
             return
-        num_rows, target, n_entries, n_catch_up, n_opened, n_closed, n_new = _HEADER.unpack_from(message)
+        header = _HEADER.unpack_from(message)
+        num_rows, target, release, n_entries, n_catch_up, n_opened, n_closed, n_new = header
         end = len(message) - n_new
         values = np.frombuffer(message, dtype=np.int32, offset=_HEADER.size, count=(end - _HEADER.size) // 4)
         entries = values[: 3 * n_entries].reshape(-1, 3).tolist()
@@ -295,11 +349,17 @@ def _serve(steps: Connection, compiles: Connection) -> None:
             matchers.pop(slot, None)
         try:
             if n_new:
-                number, offset, rows = _NEW_TARGET.unpack_from(message, end)
-                name = message[end + _NEW_TARGET.size :].decode()
-                segment = segments.get(name) or segments.setdefault(name, attach(name))
+                number, offset, rows, flags_at, signal_at = _NEW_TARGET.unpack_from(message, end)
+                name, signal_name = message[end + _NEW_TARGET.size :].decode().split("\n")
+
+                def mapped(name: str) -> mmap.mmap:
+                    return segments.get(name) or segments.setdefault(name, attach(name))
+
+                segment = mapped(name)
                 view = torch.frombuffer(segment, dtype=torch.int32, count=rows * words, offset=offset)
-                targets[number] = view.view(rows, words)
+                flags = None if flags_at < 0 else np.frombuffer(segment, np.int32, rows, flags_at)
+                signal = None if signal_at < 0 else np.frombuffer(mapped(signal_name), np.int64, 1, signal_at)
+                targets[number] = _Target(view.view(rows, words), flags, signal)
             for slot, token in zip(catch_up[::2], catch_up[1::2], strict=True):
                 _matcher(matchers, slot).accept_token(vocab.grammar_id(token))  # a rejected one is ignored
             handles, tokens = [], []
@@ -311,12 +371,28 @@ def _serve(steps: Connection, compiles: Connection) -> None:
                 accept(handles, tokens, False)
             rows = [(row, _matcher(matchers, slot)) for row, slot, _ in entries]
             live = [(row, matcher) for row, matcher in rows if not matcher.is_terminated()]
+            into = targets[target]
             if live:
-                fill([m for _, m in live], targets[target][:num_rows], [row for row, _ in live])
+                fill([m for _, m in live], into.bits[:num_rows], [row for row, _ in live])
             reply = np.array([row for row, _ in live], dtype=np.int32).tobytes()
+            if into.flags is not None:
+                into.flags[:] = 0
+                into.flags[[row for row, _ in live]] = 1
         except Exception as exc:  # the engine's step fails with it; the process goes on
             reply = np.array([_FAILED], dtype=np.int32).tobytes() + f"{type(exc).__name__}: {exc}".encode()
+        if release:  # after the bitmask and the flags: the masked head copies them once released
+            signal = targets[target].signal if target in targets else None
+            if signal is not None and signal[0] < release:
+                signal[0] = release
         steps.send_bytes(reply)
+
+
+class _Target(NamedTuple):
+    """A bitmask the process fills, and where it has them, its row flags and signal."""
+
+    bits: torch.Tensor
+    flags: np.ndarray | None
+    signal: np.ndarray | None
 
 
 def _matcher(matchers: dict[int, Any], slot: int) -> Any:

@@ -116,6 +116,8 @@ class ModelRunner:
 
         # Rank 0's handle on the other ranks' processes; None with one rank and in the workers.
         self.workers: WorkerGroup | None = None
+        # The decode graphs' head for rows a grammar constrains, made on the first such step.
+        self.masked_head: MaskedHeadGraphs | None = None
         self.tp = None if link is None else link.group
         self.device = resolve_device(config.device) if link is None else link.device
         if link is None and config.tensor_parallel_size > 1:
@@ -187,8 +189,6 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs(config)
         # Steps with prompt tokens: captured once the engine has set its token budget (capture_piecewise).
         self.piecewise_graphs: PiecewiseGraphRunner | None = None
-        # The decode graphs' head for rows a grammar constrains, made on the first such step.
-        self.masked_head: MaskedHeadGraphs | None = None
 
     def _capture_decode_graphs(self, config: EngineConfig) -> DecodeGraphRunner | None:
         """CUDA graphs for decode steps of up to max_num_seqs sequences; None off CUDA or with
@@ -257,7 +257,10 @@ class ModelRunner:
         return None if self.workers is None else self.workers.failure
 
     def close(self) -> None:
-        """Stops the other ranks' processes (nothing to do with one rank)."""
+        """Stops the other ranks' processes (nothing to do with one rank); releases any masked sampling
+        still waiting for its bitmask, so that the device's queue drains."""
+        if self.masked_head is not None:
+            self.masked_head.release_all()
         if self.workers is not None:
             self.workers.close()
 
@@ -343,25 +346,31 @@ class ModelRunner:
         )
 
     def _launch_graph_masked(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
-        """A decode step with rows a grammar constrains: the forward graph now, the grammars' bitmask
-        filling on the host meanwhile, and the masked sampling head's graph once it has filled
-        (LaunchedStep.finish, before the next launch: the head reads this forward's output)."""
+        """A decode step with rows a grammar constrains: the forward graph, then the grammars' bitmask
+        begun on the host (their matchers follow the previous step's tokens, and the fill starts) and the
+        masked sampling head's graph queued at once: its sampling waits on the device until the filler
+        releases it (MaskedHeadGraphs). `finish` raises the fill's error, if any, before the step's tokens
+        are read."""
         graphs, sampler = self.decode_graphs, self.sampler
         assert graphs is not None and sampler is not None  # checked by _graph_samples
         seqs = [s.seq for s in out.scheduled]
-        graphs.run(_graph_inputs(inputs), batch_size=len(seqs))
-        temperature, seeds = sampler.fused_parameters(seqs)
+        temperature, seeds = sampler.fused_parameters(seqs)  # the head reads them from the forward's inputs
+        graphs.run(
+            {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}, batch_size=len(seqs)
+        )
         head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
-        begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, head.host_bits())
+        ready = head.ready()
+        begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, ready)
+        pairs = head.run(len(seqs))
         for row, seq in enumerate(seqs):
             seq.sample_row = row
+        sampled = sampler.graph_sampled(pairs, seqs)
         masks = sampler.grammar_masks
 
-        @torch.inference_mode()
         def finish() -> SampledBatch:
-            # None: every grammar has ended, nothing to mask
-            rows = [] if begun is None else masks.wait(begun)
-            return sampler.graph_sampled(head.run(len(seqs), temperature, seeds, rows), seqs)
+            if begun is not None:  # None: every grammar had ended, nothing masked
+                masks.wait(begun)
+            return sampled
 
         return LaunchedStep(len(seqs), list(range(len(seqs))), None, finish)
 

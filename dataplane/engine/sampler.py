@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,9 @@ from modelfleet.dataplane.engine.device_copy import to_device
 from modelfleet.dataplane.engine.sequence import Sequence
 from modelfleet.dataplane.engine.structured import BegunMasks, GrammarMasks, fill_threads
 from modelfleet.dataplane.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from modelfleet.dataplane.kernels.host_signal import MaskReady
 
 # On the device, per row: the chosen token's log-probability, the top-N values and their ids.
 TopLogprobs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -200,11 +204,13 @@ class Sampler:
         device: torch.device,
         seqs: list[Sequence],
         overlap: bool,
-        into: torch.Tensor | None = None,
+        ready: MaskReady | None = None,
     ) -> BegunMasks | None:
         if all(s.grammar is None for s in seqs):
+            if ready is not None:
+                ready.mark([])
             return None
-        return self.grammar_masks.begin(shape, device, seqs, self._previous, background=overlap, into=into)
+        return self.grammar_masks.begin(shape, device, seqs, self._previous, background=overlap, ready=ready)
 
     @property
     def grammar_masks(self) -> GrammarMasks:
@@ -218,15 +224,16 @@ class Sampler:
         seqs: list[Sequence],
         vocab_size: int,
         device: torch.device,
-        into: torch.Tensor,
+        ready: MaskReady,
         *,
         overlap: bool = True,
     ) -> BegunMasks | None:
         """The grammars' half of a step whose sampling runs elsewhere (a decode graph's masked head,
-        ModelRunner): the matchers follow the previous batch's tokens, then the bitmask fills into `into`
-        (the head's host buffer; on the worker thread with `overlap`); `grammar_masks.wait` ends it.
-        None: no row is constrained any more."""
-        return self._begin_grammars((len(seqs), vocab_size), device, seqs, overlap, into)
+        ModelRunner): the matchers follow the previous batch's tokens, then the bitmask and its row flags
+        fill into `ready`'s (the head's host mirror; on a worker thread with `overlap`) and its number is
+        released; `grammar_masks.wait` raises the fill's error, if any. None: no row is constrained any
+        more (released already)."""
+        return self._begin_grammars((len(seqs), vocab_size), device, seqs, overlap, ready)
 
     def _mask(self, logits: torch.Tensor, masks: BegunMasks | None) -> torch.Tensor:
         if masks is None:

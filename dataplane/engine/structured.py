@@ -16,11 +16,13 @@ Where the work happens:
   masks); then one batched fill of a reused bitmask, on a worker thread while the engine thread goes
   on (it processes step n's tokens, returns the outputs and plans step n+2: LLMEngine.step); then,
   just before step n+2 is launched (finish), one copy of it to the device and one masking kernel. On a
-  GPU's decode graphs the bitmask fills straight into the masked sampling head's pinned inputs and goes
-  over with them, in their one copy (MaskedHeadGraphs.host_bits).
+  GPU's decode graphs the bitmask and its row flags fill straight into the masked sampling head's pinned
+  inputs, and the head, queued with the forward, waits on the device until the filler releases it
+  (MaskedHeadGraphs.ready, kernels/host_signal.py): the engine thread never waits for a fill there.
 - On a GPU all of that but the copy and the masking happens in a grammar process of the engine's
   (engine/grammar_process.py; RemoteGrammar here stands for a sequence's matcher there): the engine
-  thread sends each step's tokens there and waits for the rows it filled.
+  thread sends each step's tokens there, and reads its reply (an error, if any) before the step's
+  tokens.
 
 Strings of bounded length (maxLength) are compiled as one rule per character written rather than as
 xgrammar's counted repetition (`bounded_strings_as_chains`): the same language and masks, but masks
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from modelfleet.dataplane.engine.grammar_process import GrammarProcess, RemoteSchema
     from modelfleet.dataplane.engine.sampler import SampledBatch
     from modelfleet.dataplane.engine.sequence import Sequence
+    from modelfleet.dataplane.kernels.host_signal import MaskReady
     from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
 logger = logging.getLogger(__name__)
@@ -420,7 +423,7 @@ class _FillWorker:
     until the fill releases it. `wait` blocks, without the GIL, until the fill has ended."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, list[Any], Any, list[int]]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Any, list[Any], Any, list[int], Any]] = queue.SimpleQueue()
         self._started = threading.Lock()
         self._started.acquire()
         self._ended = threading.Lock()
@@ -430,11 +433,14 @@ class _FillWorker:
         # A daemon: it holds nothing when idle, blocked on the queue, and ends with the process.
         threading.Thread(target=self._run, name="modelfleet-grammar-fill", daemon=True).start()
 
-    def start(self, filler: Any, matchers: list[Any], host: Any, rows: list[int]) -> None:
+    def start(
+        self, filler: Any, matchers: list[Any], host: Any, rows: list[int], ready: MaskReady | None = None
+    ) -> None:
+        """Starts a fill; `ready` (a masked head's) is released once it has ended, whatever its end."""
         if self._running:  # a step dropped before its finish: its fill (and any error) goes with it
             self._join()
         self._running = True
-        self._jobs.put((filler, matchers, host, rows))
+        self._jobs.put((filler, matchers, host, rows, ready))
         self._started.acquire()
 
     def wait(self) -> None:
@@ -452,12 +458,14 @@ class _FillWorker:
 
     def _run(self) -> None:
         while True:
-            filler, matchers, host, rows = self._jobs.get()
+            filler, matchers, host, rows, ready = self._jobs.get()
             self._started.release()
             try:
                 filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
             except BaseException as exc:  # raised on the engine thread, by wait
                 self._error = exc
+            if ready is not None:
+                ready.release()
             self._ended.release()
 
 
@@ -503,31 +511,47 @@ class GrammarMasks:
         *,
         background: bool,
         into: torch.Tensor | None = None,
+        ready: MaskReady | None = None,
     ) -> BegunMasks | None:
         """Brings the matchers up to date (this waits for `previous`'s tokens), then fills their bitmask:
         on the worker thread if `background` (returned once the worker holds the fill), else here. None
         where no row is constrained any more. `shape` and `device`: the step's logits' (rows, model ids).
         The bitmask fills this sampler's host buffer, or `into` (int32 [>= rows, words] on the host, free
-        to fill: a graph's pinned input buffer, sent with its other inputs; `wait` ends such a step).
-        Matchers in a grammar process follow and fill there: the rows still constrained are known once
-        the fill has ended (the begun masks' rows, empty until then, may stay empty)."""
+        to fill: a graph's pinned input buffer), or `ready`'s (a decode graph's masked head, which waits
+        on the device: its row flags are written and its number released once the bitmask has filled,
+        whatever became of the fill). `wait` ends a step filled into the caller's buffer. Matchers in a
+        grammar process follow and fill there: the rows still constrained are known once the fill has
+        ended (the begun masks' rows, empty until then, may stay empty)."""
+        if ready is not None:
+            into = ready.bits
         first = next(s.grammar for s in seqs if s.grammar is not None)
         if isinstance(first, RemoteGrammar):  # one engine's grammars all live in one place
-            return self._begin_remote(first, shape, device, seqs, previous, background, into)
-        live = _follow_tokens(seqs, previous)
-        if not live:
-            return None
-        rows = [i for i, _ in live]
-        vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
-        num_rows = shape[0]
-        host = self._fill_buffer(vocab, shape, device, into, shared=False)
-        matchers = [g.matcher for _, g in live]
-        if not background:
-            self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
-            return BegunMasks(rows, vocab, num_rows, host, None)
+            return self._begin_remote(first, shape, device, seqs, previous, background, into, ready)
+        try:
+            live = _follow_tokens(seqs, previous)
+            if not live:
+                if ready is not None:
+                    ready.mark([])
+                return None
+            rows = [i for i, _ in live]
+            vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
+            num_rows = shape[0]
+            host = self._fill_buffer(vocab, shape, device, into, shared=False)
+            if ready is not None:
+                ready.flag(rows)
+            matchers = [g.matcher for _, g in live]
+            if not background:
+                self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
+                if ready is not None:
+                    ready.release()
+                return BegunMasks(rows, vocab, num_rows, host, None)
+        except BaseException:
+            if ready is not None:  # the step fails: its sampling must not wait on the device forever
+                ready.release()
+            raise
         if self._worker is None:
             self._worker = _FillWorker()
-        self._worker.start(self._filler, matchers, host, rows)
+        self._worker.start(self._filler, matchers, host, rows, ready)
         return BegunMasks(rows, vocab, num_rows, host, self._worker)
 
     def _begin_remote(
@@ -539,11 +563,17 @@ class GrammarMasks:
         previous: SampledBatch | None,
         background: bool,
         into: torch.Tensor | None,
+        ready: MaskReady | None,
     ) -> BegunMasks:
         """begin, for matchers in a grammar process: the step sent there, its reply read in the wait."""
         num_rows, vocab = shape[0], first.vocab
-        host = self._fill_buffer(vocab, shape, device, into, shared=True)
-        first.process.start(seqs, previous, num_rows, host)
+        try:
+            host = self._fill_buffer(vocab, shape, device, into, shared=True)
+        except BaseException:
+            if ready is not None:
+                ready.release()
+            raise
+        first.process.start(seqs, previous, num_rows, host, ready)  # which releases `ready` if it fails
         begun = BegunMasks([], vocab, num_rows, host, first.process)
         if not background:
             self._filled_host(begun)

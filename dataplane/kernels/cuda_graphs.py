@@ -39,12 +39,14 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from modelfleet.dataplane.kernels.host_signal import MaskReady
     from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
 logger = logging.getLogger(__name__)
 
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]
-Head = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+# (views, forward's output[, mask, what brings the mask in]) -> the step's sampled rows
+Head = Callable[..., torch.Tensor]
 
 
 class DecodeGraphRunner:
@@ -202,70 +204,70 @@ class DecodeGraphRunner:
 class MaskedHeadGraphs:
     """A decode step's sampling head with grammar masks (structured output), as graphs of its own.
 
-    A constrained step replays the runner's forward graph when it is launched but samples only once its
-    grammars' bitmask has filled on the host, a step later (LLMEngine.step). The head (the runner's
-    `head`, given the mask) then reads the forward graph's output where that graph left it, and the
-    bitmask, mask flags, temperatures and seeds from static buffers here: logits and masked sampling in
-    one replay, where run eagerly they cost ~1 ms of host time a step at 64 rows (torch.profiler, H200),
-    more than the GPU's step. A graph is captured per batch size, all of them at start where the engine
-    knows its grammars' vocabulary then (capture_all), else on first use, into a memory pool of its
-    own; it reads the forward graph of the same padded size, so `run` must follow that forward's
-    replay, before the next one."""
+    A constrained step replays the runner's forward graph and then, at once, this head's graph: the
+    logits of the forward's output, a wait on the device for the grammars' bitmask (kernels/host_signal.py:
+    the filler releases it once the bitmask has filled on the host), the copy of the bitmask and its row
+    flags from their pinned mirror, and the masked sampling, which reads the temperatures and seeds the
+    forward's inputs brought (run's caller gives them to the runner). So the engine thread queues the
+    whole step, and the next, without waiting for the fill: the device waits, and only when the fill is
+    later than the logits. Eager, the head cost ~1 ms of host time a step at 64 rows (torch.profiler,
+    H200), more than the GPU's step; waited for on the host, a constrained step took 1.43-1.52 ms against
+    plain decoding's 1.21-1.23 (engine alone, 64 rows, H200). A graph is captured per batch size, all of
+    them at start where the engine knows its grammars' vocabulary then (capture_all), else on first use,
+    into a memory pool of its own; it reads the forward graph of the same padded size, so `run` must
+    follow that forward's replay, before the next one."""
 
     def __init__(
         self, runner: DecodeGraphRunner, words: int, num_direct: int, far_ids: Sequence[int]
     ) -> None:
-        if runner.head is None or not runner.graphs:
+        from modelfleet.dataplane.kernels.host_signal import HostSignal
+
+        if runner.head is None or not runner.graphs or "temperature" not in runner.buffers:
             raise ValueError("MaskedHeadGraphs: the runner needs a sampling head and captured graphs")
         self.runner = runner
         self.layout = (words, num_direct, tuple(far_ids))
         device = runner.buffers["temperature"].device
         rows = runner.max_batch
-        # The bitmask is the largest input, so the mirror's last: a step sends the rows it has alone. The
-        # mirror is shared: a grammar process fills the bitmask there itself (engine/grammar_process.py).
+        # The bitmask is the largest input, so the mirror's last: a step copies the rows it has alone. The
+        # mirror is shared: a grammar process fills it itself (engine/grammar_process.py).
         self.packing = PackedBuffers(
             {
-                "temperature": torch.zeros(rows, dtype=torch.float32, device=device),
                 "masked_rows": torch.zeros(rows, dtype=torch.int32, device=device),
-                "seeds": torch.zeros(rows, dtype=torch.long, device=device),
                 "bits": torch.zeros(rows, words, dtype=torch.int32, device=device),
             },
             shared=True,
         )
+        self.signal = HostSignal(device)
         self.far_ids = torch.tensor(far_ids, dtype=torch.int32, device=device)
-        self.staged = torch.cuda.Event()
+        self.ran = torch.cuda.Event()  # after the replay queued last: its copy out of the mirror is done
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def host_bits(self) -> torch.Tensor:
-        """The bitmask's place in the pinned input mirror (int32 [max_batch, words]), free to fill: the
-        copy out of the mirror queued last has run. The grammars fill their rows there (GrammarMasks.begin
-        with `into`), and `run` sends them with the step's other inputs: no copy of their own."""
-        self.staged.synchronize()
-        return self.packing.host_tensors["bits"]
+    def ready(self) -> MaskReady:
+        """Where the next replay's bitmask and row flags go, free to fill (the replay before has copied
+        them), and the number that releases its wait: the filler's, to write once they have filled."""
+        from modelfleet.dataplane.kernels.host_signal import MaskReady
+
+        self.ran.synchronize()
+        host = self.packing.host_tensors
+        return MaskReady(host["bits"], host["masked_rows"], self.signal, self.signal.queued + 1)
 
     @torch.inference_mode()
-    def run(
-        self, batch_size: int, temperature: np.ndarray, seeds: np.ndarray, masked_rows: list[int]
-    ) -> torch.Tensor:
-        """The step's [batch_size, 2] (token, NaN flag), in graph memory. `masked_rows`: the rows whose
-        bitmask rows have been filled into host_bits (the others sample freely)."""
+    def run(self, batch_size: int) -> torch.Tensor:
+        """Queues the head for the forward replayed last; the step's [batch_size, 2] (token, NaN flag), in
+        graph memory. Its sampling waits on the device until ready()'s number is released."""
         padded = self.runner.padded_size(batch_size)
         assert padded is not None  # the forward graph of this size ran
-        host = self.packing.host_views
-        self.staged.synchronize()  # the previous step's copy out of the mirror is done
-        host["temperature"][:batch_size] = temperature
-        host["seeds"][:batch_size] = seeds
-        flags = host["masked_rows"]
-        flags[:padded] = 0  # padding rows and unconstrained ones sample freely
-        flags[masked_rows] = 1
-        host["temperature"][batch_size:padded] = 0.0
-        self.packing.send(padded)
-        self.staged.record()
         graph = self.graphs.get(padded) or self._capture(padded)  # capture_all made them, unless not called
+        self.signal.queue()
         graph.replay()
+        self.ran.record()
         return self.outputs[padded][:batch_size]
+
+    def release_all(self) -> None:
+        """Releases every wait queued (an engine that stops with a step in flight)."""
+        self.signal.release_all()
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -275,33 +277,41 @@ class MaskedHeadGraphs:
         requests (the first of three 64-stream rounds of bench/serve.py --structured ran at 0.73 of
         plain decoding, the others at 0.89-0.91, H200). The eager sampler's masked path runs the same
         kernel variants (the same logits dtype and bitmask layout)."""
-        self.packing.device_views["masked_rows"].zero_()
         for padded in reversed(self.runner.batch_sizes):
             if padded not in self.graphs:
                 self._capture(padded)
         torch.cuda.current_stream().synchronize()
 
-    def _call(self, padded: int) -> torch.Tensor:
+    def _call(self, padded: int, *, waits: bool) -> torch.Tensor:
         from modelfleet.dataplane.kernels.sampling import TokenBitmask
 
-        views = {name: view[:padded] for name, view in self.packing.device_views.items()}
-        mask = TokenBitmask(views["bits"], self.layout[1], self.far_ids, views["masked_rows"])
-        assert self.runner.head is not None  # checked when made
-        return self.runner.head(views, self.runner.outputs[padded, False], mask)
+        runner, packing = self.runner, self.packing
+        views = packing.device_views
+        bits, flags = views["bits"][:padded], views["masked_rows"][:padded]
+        mask = TokenBitmask(bits, self.layout[1], self.far_ids, flags)
+
+        def mask_filled() -> None:
+            if waits:
+                self.signal.wait()
+            packing.send(padded)
+
+        assert runner.head is not None  # checked when made
+        return runner.head(runner.views(padded), runner.outputs[padded, False], mask, mask_filled)
 
     @torch.inference_mode()
     def _capture(self, padded: int) -> torch.cuda.CUDAGraph:
         """Captures the head for `padded` rows. Its warm-up runs read this step's inputs and write what
-        the replay then writes again (the step's tokens), so capturing in the middle of serving is safe."""
+        the replay then writes again (the step's tokens), so capturing in the middle of serving is safe.
+        They do not wait: the numbers belong to the replays (HostSignal compiled its kernel when made)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.runner.warmup_runs):
-                self._call(padded)
+                self._call(padded, waits=False)
             graph = torch.cuda.CUDAGraph()
             # thread_local: other threads of the process may use CUDA meanwhile (copies of outputs)
             with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
-                self.outputs[padded] = self._call(padded)
+                self.outputs[padded] = self._call(padded, waits=True)
         torch.cuda.current_stream().wait_stream(stream)
         self.graphs[padded] = graph
         logger.info("captured the masked sampling head's CUDA graph for decode batch size %d", padded)
@@ -464,12 +474,16 @@ def _sample_head(
     views: dict[str, torch.Tensor],
     hidden: torch.Tensor,
     mask: TokenBitmask | None = None,
+    mask_filled: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """The logits of a decode step's hidden states and their fused sampling (with `mask`, each flagged
-    row among what its grammar allows): [B, 2] (token, NaN flag)."""
+    row among what its grammar allows; `mask_filled` queues what brings the mask in, after the logits):
+    [B, 2] (token, NaN flag)."""
     from modelfleet.dataplane.kernels.sampling import sample_tokens
 
     logits = model.compute_logits(hidden, float32=False)
+    if mask_filled is not None:
+        mask_filled()
     token_ids, nan_rows = sample_tokens(logits, views["temperature"], views["seeds"], mask=mask)
     sampled_ids[: token_ids.shape[0]].copy_(token_ids)
     return torch.stack([token_ids, nan_rows.to(token_ids.dtype)], dim=1)

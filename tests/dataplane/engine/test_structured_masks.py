@@ -115,7 +115,9 @@ def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_d
     eager = LLM(tiny_model_dir, enforce_eager=True, **settings)
     assert eager.engine.runner.decode_graphs is None
     assert got == [o.token_ids for o in eager.generate(prompts, params)]
-    assert runner.masked_head.host_bits().is_pinned()  # filled in place, sent with the inputs
+    ready = runner.masked_head.ready()
+    assert ready.bits.is_pinned() and ready.flags.is_pinned()  # filled in place, copied in the head's graph
+    assert ready.number == ready.signal.queued + 1 and int(ready.signal.host[0]) == ready.signal.queued
     check_overlap_and_tokens(graphs, monkeypatch)
 
 
@@ -411,4 +413,39 @@ def test_the_bitmask_fills_into_a_buffer_of_the_callers(llm):
     for bad in (torch.zeros(8, words + 1, dtype=torch.int32), torch.zeros(2, words, dtype=torch.int32)):
         with pytest.raises(ValueError, match="a bitmask buffer of"):
             masks.begin(shape, cpu, seqs, None, background=True, into=bad)
+    grammars.close()
+
+
+def test_a_masked_heads_flags_and_signal_follow_a_fill_in_the_engine(llm, monkeypatch):
+    """With the matchers in the engine's process, a masked head's row flags are written when the step
+    begins and its signal released once the fill (on the worker thread) has ended, or at once where no
+    row is constrained any more (kernels/host_signal.py: the head waits on the device for it)."""
+    from types import SimpleNamespace
+
+    from modelfleet.dataplane.engine.structured import bitmask_layout
+    from modelfleet.dataplane.kernels.host_signal import HostSignal, MaskReady
+
+    engine = llm.engine
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    compiled = grammars.compile(("json_schema", SCHEMA)).result()
+    seqs = [
+        SimpleNamespace(grammar=g, output_token_ids=[], num_inflight=1, sample_row=0)
+        for g in (Grammars.matcher(compiled), None, Grammars.matcher(compiled))
+    ]
+    words = bitmask_layout(compiled.vocab).words
+    signal = HostSignal(torch.device("cpu"))
+    ready = MaskReady(
+        torch.full((4, words), 7, dtype=torch.int32), torch.full((4,), 7, dtype=torch.int32), signal, 1
+    )
+    masks = GrammarMasks()
+    shape, cpu = (3, compiled.vocab.model_size), torch.device("cpu")
+    begun = masks.begin(shape, cpu, seqs, None, background=True, ready=ready)
+    assert ready.flags.tolist() == [1, 0, 1, 0]
+    assert masks.wait(begun) == [0, 2] and int(signal.host[0]) == 1
+    assert not (ready.bits[[0, 2]] == 7).all() and (ready.bits[[1, 3]] == 7).all()
+    from modelfleet.dataplane.engine import structured
+
+    monkeypatch.setattr(structured, "_follow_tokens", lambda seqs, previous: [])  # every grammar ended
+    assert masks.begin(shape, cpu, seqs, None, background=True, ready=ready._replace(number=2)) is None
+    assert int(signal.host[0]) == 2 and ready.flags.tolist() == [0, 0, 0, 0]
     grammars.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -105,8 +107,92 @@ def test_the_bitmask_comes_into_a_buffer_of_the_callers(remote, shared):
     assert not torch.equal(into[0], into[2])
     assert (into[1] == 7).all() and (into[3:] == 7).all()
     process = engine._grammars._process
-    assert (place_of(into) in process._targets) == shared  # filled in place, else in its own and copied
+    in_place = any(place == place_of(into) for place, _, _ in process._targets)
+    assert in_place == shared  # filled in place, else in its own and copied
     local.close()
+
+
+def head_mirror(rows: int, words: int, *, shared: bool):
+    """A masked head's inputs as MaskedHeadGraphs lays them out: row flags, then the bitmask, in one
+    buffer (shared memory, or the process's own), and its signal; all filled with 7."""
+    from modelfleet.dataplane.kernels.host_signal import HostSignal, MaskReady
+
+    nbytes = rows * (1 + words) * 4
+    memory = shared_bytes(nbytes, pinned=False) if shared else torch.empty(nbytes, dtype=torch.uint8)
+    values = memory.view(torch.int32)
+    values.fill_(7)
+    signal = HostSignal(torch.device("cpu"))
+    return MaskReady(values[rows:].view(rows, words), values[:rows], signal, signal.queue())
+
+
+def constrained_rows(remote):
+    """Three rows of SCHEMA's matchers in the engine's grammar process: the first four tokens of an
+    answer followed, none (an unconstrained row), a fresh matcher."""
+    from types import SimpleNamespace
+
+    engine = remote.engine
+    schema = engine._grammars.compile(("json_schema", SCHEMA)).result()
+    first = engine.tokenizer.encode('{"items"', add_special_tokens=False)
+    return schema.vocab, [
+        SimpleNamespace(
+            grammar=None if known is None else Grammars.matcher(schema),
+            output_token_ids=known or [],
+            num_inflight=1,
+            sample_row=0,
+        )
+        for known in (first, None, [])
+    ]
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_a_masked_heads_flags_and_signal_follow_the_fill(remote, shared):
+    """A decode graph's masked head waits on the device for its signal and then copies the bitmask and
+    row flags (MaskedHeadGraphs): the process writes the bitmask, the flags (the constrained rows among
+    the step's, none past them) and then the signal itself where all three lie in shared memory, with no
+    wait by the engine; elsewhere the engine writes them when it ends the step."""
+    vocab, seqs = constrained_rows(remote)
+    rows, words = 8, bitmask_layout(vocab).words
+    ready = head_mirror(rows, words, shared=shared)
+    masks = GrammarMasks()
+    begun = masks.begin((3, vocab.model_size), torch.device("cpu"), seqs, None, background=True, ready=ready)
+    signal = ready.signal.host
+    if shared:
+        deadline = time.monotonic() + 30
+        while int(signal[0]) < ready.number and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert int(signal[0]) == ready.number  # released before the engine ends the step
+        assert ready.flags.tolist() == [1, 0, 1, 0, 0, 0, 0, 0]
+    else:
+        time.sleep(0.2)
+        assert int(signal[0]) < ready.number and (ready.flags == 7).all()  # the process cannot write them
+    assert masks.wait(begun) == [0, 2]
+    assert int(signal[0]) == ready.number and ready.flags.tolist() == [1, 0, 1, 0, 0, 0, 0, 0]
+    assert not (ready.bits[[0, 2]] == 7).all() and (ready.bits[[1, *range(3, rows)]] == 7).all()
+
+
+def test_a_failed_or_ended_process_releases_the_masked_heads_wait(remote):
+    """Whatever ends a step (the process's error, its end), the masked head's wait is released: its
+    sampling must not hold the device's queue (the step's tokens are dropped with it)."""
+    vocab, seqs = constrained_rows(remote)
+    process = remote.engine._grammars._process
+    words = bitmask_layout(vocab).words
+    ready = head_mirror(8, words, shared=True)
+    stray = [
+        SimpleNamespace(grammar=RemoteGrammar(process, 10**6, vocab), output_token_ids=[5], num_inflight=1)
+    ]
+    masks = GrammarMasks()
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no matcher in slot 1000000"):
+        masks.begin((1, vocab.model_size), cpu, stray, None, background=False, ready=ready)
+    stray[0].grammar.process = SimpleNamespace(release=lambda slot: None)  # never opened
+    assert int(ready.signal.host[0]) == ready.number
+    ready = ready._replace(number=ready.signal.queue())
+    begun = masks.begin((3, vocab.model_size), cpu, seqs, None, background=True, ready=ready)
+    process._process.kill()
+    process._process.wait()
+    with pytest.raises(RuntimeError, match="the grammar process ended"):
+        masks.wait(begun)
+    assert int(ready.signal.host[0]) == ready.number
 
 
 def test_an_error_in_the_process_fails_its_step_alone(remote):
@@ -250,7 +336,7 @@ def test_the_samplers_own_bitmask_is_filled_in_place_too(remote):
     ]
     masks = GrammarMasks()
     begun = masks.begin((1, schema.vocab.model_size), torch.device("cpu"), seqs, None, background=True)
-    assert place_of(begun.host) in schema.process._targets and schema.process._copy_from is None
+    assert (place_of(begun.host), None, None) in schema.process._targets and schema.process._copy_from is None
     assert masks.wait(begun) == [0] and begun.host[0].any()
 
 
