@@ -359,7 +359,7 @@ class ModelRunner:
             {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}, batch_size=len(seqs)
         )
         head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
-        ready = head.ready()
+        ready = head.ready(len(seqs))
         begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, ready)
         pairs = head.run(len(seqs))
         for row, seq in enumerate(seqs):

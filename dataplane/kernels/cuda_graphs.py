@@ -244,24 +244,31 @@ class MaskedHeadGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def ready(self) -> MaskReady:
-        """Where the next replay's bitmask and row flags go, free to fill (the replay before has copied
-        them), and the number that releases its wait: the filler's, to write once they have filled."""
+    def ready(self, batch_size: int) -> MaskReady:
+        """Where the next replay's (for `batch_size` rows) bitmask and row flags go, free to fill (the
+        replay before has copied them), and the number that releases its wait: the filler's, to write once
+        they have filled. Its graph is captured here if capture_all has not (nothing that can fail is
+        left between the fill's start and the replay that waits for it: a number released and never
+        waited for would let the next replay's wait pass early)."""
         from modelfleet.dataplane.kernels.host_signal import MaskReady
 
+        padded = self.runner.padded_size(batch_size)
+        assert padded is not None  # the forward graph of this size ran
+        if padded not in self.graphs:
+            self._capture(padded)
         self.ran.synchronize()
         host = self.packing.host_tensors
         return MaskReady(host["bits"], host["masked_rows"], self.signal, self.signal.queued + 1)
 
     @torch.inference_mode()
     def run(self, batch_size: int) -> torch.Tensor:
-        """Queues the head for the forward replayed last; the step's [batch_size, 2] (token, NaN flag), in
-        graph memory. Its sampling waits on the device until ready()'s number is released."""
+        """Queues the head for the forward replayed last (ready() came first); the step's [batch_size, 2]
+        (token, NaN flag), in graph memory. Its sampling waits on the device until ready()'s number is
+        released."""
         padded = self.runner.padded_size(batch_size)
         assert padded is not None  # the forward graph of this size ran
-        graph = self.graphs.get(padded) or self._capture(padded)  # capture_all made them, unless not called
         self.signal.queue()
-        graph.replay()
+        self.graphs[padded].replay()
         self.ran.record()
         return self.outputs[padded][:batch_size]
 

@@ -115,7 +115,7 @@ def test_on_the_gpu_constrained_decode_steps_replay_the_masked_head(tiny_model_d
     eager = LLM(tiny_model_dir, enforce_eager=True, **settings)
     assert eager.engine.runner.decode_graphs is None
     assert got == [o.token_ids for o in eager.generate(prompts, params)]
-    ready = runner.masked_head.ready()
+    ready = runner.masked_head.ready(1)
     assert ready.bits.is_pinned() and ready.flags.is_pinned()  # filled in place, copied in the head's graph
     assert ready.number == ready.signal.queued + 1 and int(ready.signal.host[0]) == ready.signal.queued
     check_overlap_and_tokens(graphs, monkeypatch)
