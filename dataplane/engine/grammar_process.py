@@ -183,6 +183,7 @@ class GrammarProcess:
         if self._waiting:  # a step dropped before its wait: its reply (and any error) goes with it
             with contextlib.suppress(RuntimeError):
                 self._reply()
+            self._release()  # and its masked head goes on, whoever was to release it
         self._ready = ready
         try:
             self._send(seqs, previous, num_rows, host, ready)
@@ -326,6 +327,10 @@ def _serve(steps: Connection, compiles: Connection) -> None:
     words = bitmask_layout(vocab).words
     segments: dict[str, mmap.mmap] = {}
     targets: dict[int, _Target] = {}  # the bitmasks to fill, by their numbers (GrammarProcess._target)
+
+    def mapped(name: str) -> mmap.mmap:
+        return segments.get(name) or segments.setdefault(name, attach(name))
+
     while True:
         try:
             message = steps.recv_bytes()
@@ -351,10 +356,6 @@ def _serve(steps: Connection, compiles: Connection) -> None:
             if n_new:
                 number, offset, rows, flags_at, signal_at = _NEW_TARGET.unpack_from(message, end)
                 name, signal_name = message[end + _NEW_TARGET.size :].decode().split("\n")
-
-                def mapped(name: str) -> mmap.mmap:
-                    return segments.get(name) or segments.setdefault(name, attach(name))
-
                 segment = mapped(name)
                 view = torch.frombuffer(segment, dtype=torch.int32, count=rows * words, offset=offset)
                 flags = None if flags_at < 0 else np.frombuffer(segment, np.int32, rows, flags_at)

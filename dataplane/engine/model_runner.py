@@ -360,11 +360,16 @@ class ModelRunner:
         )
         head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
         ready = head.ready(len(seqs))
+        # begin_masks releases `ready` itself if it fails
         begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, ready)
         pairs = head.run(len(seqs))
-        for row, seq in enumerate(seqs):
-            seq.sample_row = row
-        sampled = sampler.graph_sampled(pairs, seqs)
+        try:
+            for row, seq in enumerate(seqs):
+                seq.sample_row = row
+            sampled = sampler.graph_sampled(pairs, seqs)
+        except BaseException:  # a step that never finishes must not leave its sampling waiting
+            ready.release()
+            raise
         masks = sampler.grammar_masks
 
         def finish() -> SampledBatch:

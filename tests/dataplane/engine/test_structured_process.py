@@ -323,6 +323,15 @@ def test_a_step_dropped_before_its_wait_takes_its_reply_and_error_with_it(remote
     begun = masks.begin(shape, cpu, good, None, background=True)
     assert masks.wait(begun) == [0]
     stray.process = SimpleNamespace(release=lambda slot: None)  # never opened: nothing to close
+    # A masked head's step dropped where the process cannot release its wait (a private buffer): the
+    # next step releases it, whose own waits for its end.
+    words = bitmask_layout(vocab).words
+    dropped = head_mirror(8, words, shared=False)
+    masks.begin(shape, cpu, good, None, background=True, ready=dropped)
+    later = dropped._replace(number=dropped.signal.queue())
+    begun = masks.begin(shape, cpu, good, None, background=True, ready=later)
+    assert int(dropped.signal.host[0]) == dropped.number
+    assert masks.wait(begun) == [0] and int(later.signal.host[0]) == later.number
 
 
 def test_the_samplers_own_bitmask_is_filled_in_place_too(remote):
