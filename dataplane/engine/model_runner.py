@@ -34,6 +34,7 @@ from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 if TYPE_CHECKING:
     from modelfleet.dataplane.engine.structured import GrammarVocab
     from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
+    from modelfleet.dataplane.kernels.host_signal import MaskReady
     from modelfleet.dataplane.kernels.piecewise_graphs import PiecewiseGraphRunner
     from modelfleet.dataplane.parallel.worker import WorkerLink
     from modelfleet.dataplane.parallel.workers import WorkerGroup
@@ -118,6 +119,8 @@ class ModelRunner:
         self.workers: WorkerGroup | None = None
         # The decode graphs' head for rows a grammar constrains, made on the first such step.
         self.masked_head: MaskedHeadGraphs | None = None
+        # The last constrained step's head until its finish: released if the step is dropped before.
+        self._unfinished_head: MaskReady | None = None
         self.tp = None if link is None else link.group
         self.device = resolve_device(config.device) if link is None else link.device
         if link is None and config.tensor_parallel_size > 1:
@@ -280,6 +283,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queues a step's forward and sampling on the device; no wait for the device."""
+        if self._unfinished_head is not None:  # the constrained step before was dropped, not finished
+            self._unfinished_head.release()  # its sampling must not hold this step's behind it
+            self._unfinished_head = None
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -371,8 +377,10 @@ class ModelRunner:
             ready.release()
             raise
         masks = sampler.grammar_masks
+        self._unfinished_head = ready
 
         def finish() -> SampledBatch:
+            self._unfinished_head = None
             if begun is not None:  # None: every grammar had ended, nothing masked
                 masks.wait(begun)
             return sampled

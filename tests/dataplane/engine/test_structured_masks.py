@@ -416,6 +416,20 @@ def test_the_bitmask_fills_into_a_buffer_of_the_callers(llm):
     grammars.close()
 
 
+def test_a_constrained_step_dropped_before_its_finish_releases_its_wait_at_the_next_launch(llm):
+    """A decode graph step's masked sampling waits on the device until released; a step the engine
+    dropped before its finish (an error between its launch and its processing) would hold every step
+    queued after it, plain ones too: the next launch releases it (ModelRunner.launch)."""
+    from modelfleet.dataplane.kernels.host_signal import HostSignal, MaskReady
+
+    runner = llm.engine.runner
+    signal = HostSignal(torch.device("cpu"))
+    dropped = MaskReady(torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), signal, 1)
+    runner._unfinished_head = dropped
+    (out,) = llm.generate(["plain"], SamplingParams(max_tokens=2, temperature=0.0))
+    assert out.token_ids and int(signal.host[0]) == 1 and runner._unfinished_head is None
+
+
 def test_a_masked_heads_flags_and_signal_follow_a_fill_in_the_engine(llm, monkeypatch):
     """With the matchers in the engine's process, a masked head's row flags are written when the step
     begins and its signal released once the fill (on the worker thread) has ended, or at once where no
