@@ -179,17 +179,13 @@ class GrammarProcess:
         decode graph's input mirror), else a buffer of this process's that `wait` copies from. With
         `ready` (a masked head's: `host` is its bitmask), its row flags are written and its signal
         released once the bitmask has filled: by the process where they lie in shared memory, else by
-        `wait`; on any failure, at once. One step at a time: `wait` ends it."""
+        `wait` (a step that fails is the runner's to release: ModelRunner._launch_graph_masked). One step
+        at a time: `wait` ends it."""
         if self._waiting:  # a step dropped before its wait: its reply (and any error) goes with it
             with contextlib.suppress(RuntimeError):
                 self._reply()
-            self._release()  # and its masked head goes on, whoever was to release it
+        self._send(seqs, previous, num_rows, host, ready)
         self._ready = ready
-        try:
-            self._send(seqs, previous, num_rows, host, ready)
-        except BaseException:
-            self._release()
-            raise
         self._waiting = True
 
     def _send(
@@ -229,7 +225,7 @@ class GrammarProcess:
     def wait(self, host: torch.Tensor) -> list[int]:
         """Ends the step sent last: the rows still constrained, their bitmask rows in `host` (start's; the
         other rows left as they are), and its masked head's flags and signal (start's `ready`) written.
-        RuntimeError with the process's error (the signal released all the same)."""
+        RuntimeError with the process's error."""
         rows = self._reply()
         source, self._copy_from = self._copy_from, None
         if rows and source is not None:
@@ -244,19 +240,11 @@ class GrammarProcess:
         try:
             reply = self._steps.recv_bytes()
         except (EOFError, OSError):
-            self._release()
             raise RuntimeError(self.ended()) from None
         values = np.frombuffer(reply, dtype=np.int32, count=len(reply) // 4)
         if len(values) and values[0] == _FAILED:
-            self._release()
             raise RuntimeError(f"structured output: {reply[4:].decode()}")
         return values.tolist()
-
-    def _release(self) -> None:
-        """A failed step's masked head goes on (its tokens are dropped with the step)."""
-        ready, self._ready = self._ready, None
-        if ready is not None:
-            ready.release()
 
     def _target(self, host: torch.Tensor, num_rows: int, ready: MaskReady | None) -> int:
         """The number of the bitmask the process fills this step: `host` where shared, else _own (which
@@ -301,7 +289,6 @@ class GrammarProcess:
         return f"structured output: the grammar process ended (exit code {self._process.returncode})"
 
     def close(self) -> None:
-        self._release()
         for conn in (self._steps, self._compiles):
             conn.close()
         try:

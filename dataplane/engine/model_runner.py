@@ -119,7 +119,7 @@ class ModelRunner:
         self.workers: WorkerGroup | None = None
         # The decode graphs' head for rows a grammar constrains, made on the first such step.
         self.masked_head: MaskedHeadGraphs | None = None
-        # The last constrained step's head until its finish: released if the step is dropped before.
+        # The last constrained step's head until it finishes: released at the next launch if it has not.
         self._unfinished_head: MaskReady | None = None
         self.tp = None if link is None else link.group
         self.device = resolve_device(config.device) if link is None else link.device
@@ -283,7 +283,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> LaunchedStep:
         """Queues a step's forward and sampling on the device; no wait for the device."""
-        if self._unfinished_head is not None:  # the constrained step before was dropped, not finished
+        if self._unfinished_head is not None:  # the constrained step before failed or was dropped
             self._unfinished_head.release()  # its sampling must not hold this step's behind it
             self._unfinished_head = None
         scheduled = out.scheduled
@@ -352,11 +352,12 @@ class ModelRunner:
         )
 
     def _launch_graph_masked(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
-        """A decode step with rows a grammar constrains: the forward graph, then the grammars' bitmask
-        begun on the host (their matchers follow the previous step's tokens, and the fill starts) and the
-        masked sampling head's graph queued at once: its sampling waits on the device until the filler
-        releases it (MaskedHeadGraphs). `finish` raises the fill's error, if any, before the step's tokens
-        are read."""
+        """A decode step with rows a grammar constrains: the forward graph and the masked sampling head's
+        graph queued at once, the head's sampling waiting on the device until the filler releases it
+        (MaskedHeadGraphs), then the grammars' bitmask begun on the host (their matchers follow the
+        previous step's tokens, and the fill starts). `finish` raises the fill's error, if any, before the
+        step's tokens are read. A step that fails to launch releases its wait here; one that does not
+        finish, at the next launch."""
         graphs, sampler = self.decode_graphs, self.sampler
         assert graphs is not None and sampler is not None  # checked by _graph_samples
         seqs = [s.seq for s in out.scheduled]
@@ -365,11 +366,12 @@ class ModelRunner:
             {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}, batch_size=len(seqs)
         )
         head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
+        # The head first: a number released belongs to a wait queued (released and never waited for, it
+        # would let the next step's wait pass before its fill).
         ready = head.ready(len(seqs))
-        # begin_masks releases `ready` itself if it fails
-        begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, ready)
         pairs = head.run(len(seqs))
         try:
+            begun = sampler.begin_masks(seqs, self.model_config.vocab_size, self.device, ready)
             for row, seq in enumerate(seqs):
                 seq.sample_row = row
             sampled = sampler.graph_sampled(pairs, seqs)
@@ -377,12 +379,12 @@ class ModelRunner:
             ready.release()
             raise
         masks = sampler.grammar_masks
-        self._unfinished_head = ready
+        self._unfinished_head = ready  # released at the next launch unless this step finishes
 
         def finish() -> SampledBatch:
-            self._unfinished_head = None
             if begun is not None:  # None: every grammar had ended, nothing masked
                 masks.wait(begun)
+            self._unfinished_head = None
             return sampled
 
         return LaunchedStep(len(seqs), list(range(len(seqs))), None, finish)

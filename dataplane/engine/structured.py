@@ -518,37 +518,32 @@ class GrammarMasks:
         where no row is constrained any more. `shape` and `device`: the step's logits' (rows, model ids).
         The bitmask fills this sampler's host buffer, or `into` (int32 [>= rows, words] on the host, free
         to fill: a graph's pinned input buffer), or `ready`'s (a decode graph's masked head, which waits
-        on the device: its row flags are written and its number released once the bitmask has filled,
-        whatever became of the fill). `wait` ends a step filled into the caller's buffer. Matchers in a
-        grammar process follow and fill there: the rows still constrained are known once the fill has
-        ended (the begun masks' rows, empty until then, may stay empty)."""
+        on the device: its row flags are written and its number released once the bitmask has filled;
+        a step that fails is its runner's to release). `wait` ends a step filled into the caller's
+        buffer. Matchers in a grammar process follow and fill there: the rows still constrained are known
+        once the fill has ended (the begun masks' rows, empty until then, may stay empty)."""
         if ready is not None:
             into = ready.bits
         first = next(s.grammar for s in seqs if s.grammar is not None)
         if isinstance(first, RemoteGrammar):  # one engine's grammars all live in one place
             return self._begin_remote(first, shape, device, seqs, previous, background, into, ready)
-        try:
-            live = _follow_tokens(seqs, previous)
-            if not live:
-                if ready is not None:
-                    ready.mark([])
-                return None
-            rows = [i for i, _ in live]
-            vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
-            num_rows = shape[0]
-            host = self._fill_buffer(vocab, shape, device, into, shared=False)
+        live = _follow_tokens(seqs, previous)
+        if not live:
             if ready is not None:
-                ready.flag(rows)
-            matchers = [g.matcher for _, g in live]
-            if not background:
-                self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
-                if ready is not None:
-                    ready.release()
-                return BegunMasks(rows, vocab, num_rows, host, None)
-        except BaseException:
-            if ready is not None:  # the step fails: its sampling must not wait on the device forever
+                ready.mark([])
+            return None
+        rows = [i for i, _ in live]
+        vocab = live[0][1].vocab  # one engine, one tokenizer: the same for every row
+        num_rows = shape[0]
+        host = self._fill_buffer(vocab, shape, device, into, shared=False)
+        if ready is not None:
+            ready.flag(rows)
+        matchers = [g.matcher for _, g in live]
+        if not background:
+            self._filler.batch_fill_next_token_bitmask(matchers, host, indices=rows)
+            if ready is not None:
                 ready.release()
-            raise
+            return BegunMasks(rows, vocab, num_rows, host, None)
         if self._worker is None:
             self._worker = _FillWorker()
         self._worker.start(self._filler, matchers, host, rows, ready)
@@ -567,13 +562,8 @@ class GrammarMasks:
     ) -> BegunMasks:
         """begin, for matchers in a grammar process: the step sent there, its reply read in the wait."""
         num_rows, vocab = shape[0], first.vocab
-        try:
-            host = self._fill_buffer(vocab, shape, device, into, shared=True)
-        except BaseException:
-            if ready is not None:
-                ready.release()
-            raise
-        first.process.start(seqs, previous, num_rows, host, ready)  # which releases `ready` if it fails
+        host = self._fill_buffer(vocab, shape, device, into, shared=True)
+        first.process.start(seqs, previous, num_rows, host, ready)
         begun = BegunMasks([], vocab, num_rows, host, first.process)
         if not background:
             self._filled_host(begun)

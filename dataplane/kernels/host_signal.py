@@ -10,8 +10,8 @@ once, and whoever fills the bitmask (a grammar process, a fill thread) writes th
 
 The numbers only grow: the k-th wait queued waits for k (the device counts its waits itself, so a graph
 replays the same kernel every time), and writing a number releases every wait up to it. A wait that is
-never released hangs the stream, so each one queued is released once, by its filler or, where that
-filler failed or died, by the engine (`release`)."""
+never released hangs the stream, so each one queued is released: by its filler once the bitmask has
+filled, or by the engine's runner where the step failed or was dropped (`release`)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import json
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import xgrammar
@@ -428,6 +429,72 @@ def test_a_constrained_step_dropped_before_its_finish_releases_its_wait_at_the_n
     runner._unfinished_head = dropped
     (out,) = llm.generate(["plain"], SamplingParams(max_tokens=2, temperature=0.0))
     assert out.token_ids and int(signal.host[0]) == 1 and runner._unfinished_head is None
+
+
+@pytest.mark.parametrize("fails", [None, "begin", "wait"])
+def test_a_constrained_graph_step_queues_its_head_before_the_fill_and_leaves_no_wait_behind(fails):
+    """ModelRunner._launch_graph_masked (a GPU's; here with stand-ins for its graphs, head and sampler):
+    the masked head is queued before the fill begins, so that every number released belongs to a wait
+    queued; a step whose fill cannot begin releases its wait at once, and one whose fill fails stays
+    the runner's to release at its next launch (a finished one is not)."""
+    from types import SimpleNamespace
+
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+    from modelfleet.dataplane.kernels.host_signal import HostSignal, MaskReady
+
+    calls: list[str] = []
+    signal = HostSignal(torch.device("cpu"))
+
+    def fail_at(name):
+        calls.append(name)
+        if fails == name:
+            raise RuntimeError(f"{name} failed")
+
+    def ready(n):
+        calls.append("ready")
+        bits, flags = torch.zeros(n, 1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+        return MaskReady(bits, flags, signal, signal.queued + 1)
+
+    def run(n):
+        calls.append("run")
+        signal.queue()
+        return torch.zeros(n, 2, dtype=torch.long)
+
+    head = SimpleNamespace(ready=ready, run=run)
+    sampler = SimpleNamespace(
+        fused_parameters=lambda seqs: (np.zeros(len(seqs), np.float32), np.zeros(len(seqs), np.int64)),
+        begin_masks=lambda seqs, vocab_size, device, ready: fail_at("begin") or "begun",
+        grammar_masks=SimpleNamespace(wait=lambda begun: fail_at("wait")),
+        graph_sampled=lambda pairs, seqs: "sampled",
+    )
+    runner = SimpleNamespace(
+        decode_graphs=SimpleNamespace(run=lambda inputs, batch_size: calls.append("forward")),
+        sampler=sampler,
+        _masked_head=lambda vocab: head,
+        model_config=SimpleNamespace(vocab_size=16),
+        device=torch.device("cpu"),
+        _unfinished_head=None,
+    )
+    seqs = [SimpleNamespace(grammar=SimpleNamespace(vocab="vocab"), sample_row=None) for _ in range(2)]
+    out = SimpleNamespace(scheduled=[SimpleNamespace(seq=seq) for seq in seqs])
+    inputs = tuple(np.zeros(2, np.int64) for _ in range(7))
+    if fails == "begin":
+        with pytest.raises(RuntimeError, match="begin failed"):
+            ModelRunner._launch_graph_masked(runner, out, inputs)
+        assert calls == ["forward", "ready", "run", "begin"]
+        assert int(signal.host[0]) == signal.queued and runner._unfinished_head is None
+        return
+    launched = ModelRunner._launch_graph_masked(runner, out, inputs)
+    assert calls == ["forward", "ready", "run", "begin"] and [s.sample_row for s in seqs] == [0, 1]
+    assert runner._unfinished_head.number == signal.queued and int(signal.host[0]) < signal.queued
+    if fails == "wait":
+        with pytest.raises(RuntimeError, match="wait failed"):
+            launched.finish()
+        assert runner._unfinished_head is not None  # the next launch releases it
+    else:
+        launched.finish()
+        assert launched.sampled == "sampled" and runner._unfinished_head is None
+    assert int(signal.host[0]) < signal.queued  # the runner released nothing it was not to
 
 
 def test_a_masked_heads_flags_and_signal_follow_a_fill_in_the_engine(llm, monkeypatch):

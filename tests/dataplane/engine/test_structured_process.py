@@ -170,9 +170,10 @@ def test_a_masked_heads_flags_and_signal_follow_the_fill(remote, shared):
     assert not (ready.bits[[0, 2]] == 7).all() and (ready.bits[[1, *range(3, rows)]] == 7).all()
 
 
-def test_a_failed_or_ended_process_releases_the_masked_heads_wait(remote):
-    """Whatever ends a step (the process's error, its end), the masked head's wait is released: its
-    sampling must not hold the device's queue (the step's tokens are dropped with it)."""
+def test_an_error_in_the_process_releases_the_masked_heads_wait(remote):
+    """A step the process fails still has its masked head's wait released there (the step's tokens are
+    dropped with it); one the process never ends (it died) is left to the runner, which releases it at
+    its next launch (test_structured_masks)."""
     vocab, seqs = constrained_rows(remote)
     process = remote.engine._grammars._process
     words = bitmask_layout(vocab).words
@@ -192,7 +193,6 @@ def test_a_failed_or_ended_process_releases_the_masked_heads_wait(remote):
     process._process.wait()
     with pytest.raises(RuntimeError, match="the grammar process ended"):
         masks.wait(begun)
-    assert int(ready.signal.host[0]) == ready.number
 
 
 def test_an_error_in_the_process_fails_its_step_alone(remote):
@@ -323,15 +323,6 @@ def test_a_step_dropped_before_its_wait_takes_its_reply_and_error_with_it(remote
     begun = masks.begin(shape, cpu, good, None, background=True)
     assert masks.wait(begun) == [0]
     stray.process = SimpleNamespace(release=lambda slot: None)  # never opened: nothing to close
-    # A masked head's step dropped where the process cannot release its wait (a private buffer): the
-    # next step releases it, whose own waits for its end.
-    words = bitmask_layout(vocab).words
-    dropped = head_mirror(8, words, shared=False)
-    masks.begin(shape, cpu, good, None, background=True, ready=dropped)
-    later = dropped._replace(number=dropped.signal.queue())
-    begun = masks.begin(shape, cpu, good, None, background=True, ready=later)
-    assert int(dropped.signal.host[0]) == dropped.number
-    assert masks.wait(begun) == [0] and int(later.signal.host[0]) == later.number
 
 
 def test_the_samplers_own_bitmask_is_filled_in_place_too(remote):
