@@ -102,8 +102,8 @@ class _Timed:
             ]
             return _Launched(StepResult(tokens, [None] * n, [None] * n))
 
-        def timed_launch(out):
-            launched = launch(out)
+        def timed_launch(out, end_previous=None):
+            launched = launch(out, end_previous)
             self.marks["sampled"] = _now()
             return launched
 

@@ -153,7 +153,8 @@ def timed_parts(timer: PartTimer) -> contextlib.AbstractContextManager[None]:
     queuing (on a GPU) or running (on the CPU) the masking, the padded ids' included. fill: xgrammar's
     bitmask fill, on whichever thread runs it (the worker's, unless serial). process: LLMEngine._process,
     the previous step's tokens into outputs (the work a fill on the worker overlaps). The step's phases
-    (schedule, launch, finish_launched) and, on a GPU, the graph path's parts: graphs_run (the forward
+    (schedule, launch, finish_launched: within launch where the runner ends the step before once the
+    next forward is queued, ModelRunner.launch) and, on a GPU, the graph path's parts: graphs_run (the forward
     graph), head_run (a constrained step's head graph: its inputs, the bitmask filled into them, their
     one copy and the replay), graph_sampled (the tokens' read-back queued), fill_start (handing the
     fill to the worker thread). With the grammars in a process of their own (a GPU's default,

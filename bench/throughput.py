@@ -206,16 +206,16 @@ class DecodeStepTimer:
         engine, runner = llm.engine, llm.engine.runner
         launch, step = runner.launch, engine.step
 
-        def timed_launch(out):
+        def timed_launch(out, end_previous=None):
             items = out.scheduled
             decode = all(s.num_new_tokens == 1 for s in items)
             kv_tokens = sum(s.num_computed_tokens + s.num_new_tokens for s in items)
             self._last = (decode, len(items), kv_tokens)
             if not device_events:
-                return timed_result(launch(out))
+                return timed_result(launch(out, end_previous))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            launched = launch(out)
+            launched = launch(out, end_previous)
             end.record()
             self._last_events = (start, end)
             return timed_result(launched)

@@ -72,8 +72,10 @@ class GraphRunner:
         self._sampled_ids: torch.Tensor | None = None
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Runs the step's forward and queues its sampling."""
+    def launch(self, out: SchedulerOutput, end_previous: Callable[[], None] | None = None) -> LaunchedStep:
+        """Runs the step's forward and queues its sampling, the step before ended first (ModelRunner's)."""
+        if end_previous is not None:
+            end_previous()
         scheduled = out.scheduled
         self._drop_stale_caches()
         # Read back once, and only when a sequence's input is a token still in flight.

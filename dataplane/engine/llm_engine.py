@@ -402,10 +402,10 @@ class LLMEngine(PromptChecks):
         scheduled = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         if self.host_tier is not None:  # spills before the step that may overwrite their blocks
             self.host_tier.issue(self.block_manager)
-        self._finish_launched()
         launched = None
         if scheduled is not None and self._launched is not None and _needs_host_tokens(scheduled):
             # Penalties read the sequence's tokens on the host: the previous step's first.
+            self._finish_launched()
             outputs += self._process(*self._launched)
             self._launched = None
             # Those tokens may have ended sequences (an end-of-sequence token, a stop string): their
@@ -413,21 +413,26 @@ class LLMEngine(PromptChecks):
             scheduled.scheduled = [
                 s for s in scheduled.scheduled if s.seq.status is not SequenceStatus.FINISHED
             ]
+        if scheduled is not None and not scheduled.is_empty and self.speculator is not None:
+            self._finish_launched()
+            # Synchronous: see the module's docstring.
+            return outputs + self._process(scheduled, self.speculator.run(scheduled.scheduled))
         if scheduled is not None and not scheduled.is_empty:
-            if self.speculator is not None:
-                # Synchronous: see the module's docstring.
-                return outputs + self._process(scheduled, self.speculator.run(scheduled.scheduled))
-            launched = (scheduled, self.runner.launch(scheduled))
+            # The runner ends the step before once this one's forward is queued, where it can (launch).
+            launched = (scheduled, self.runner.launch(scheduled, self._finish_launched))
+        else:
+            self._finish_launched()
         if self._launched is not None:
             outputs += self._process(*self._launched)
         self._launched = launched
         return outputs
 
     def _finish_launched(self) -> None:
-        """Queues the sampling of the step launched last if it waits on its grammars' bitmask fill, which
-        has run on a worker thread since that launch, beside the engine thread's processing of the step
-        before, the outputs' return and this step's planning; before anything reads its tokens or
-        launches after it. If the fill failed, that step is dropped and its error raised."""
+        """Ends the step launched last if it waits on its grammars' bitmask fill, which has run (on a
+        worker thread, or in the grammar process) since that launch, beside the engine thread's
+        processing of the step before, the outputs' return, this step's planning and, on a decode
+        graph, this step's inputs and forward (ModelRunner.launch); before anything reads its tokens. If
+        the fill failed, that step is dropped and its error raised."""
         if self._launched is None:
             return
         try:

@@ -121,6 +121,8 @@ class ModelRunner:
         self.masked_head: MaskedHeadGraphs | None = None
         # The last constrained step's head until it finishes: released at the next launch if it has not.
         self._unfinished_head: MaskReady | None = None
+        # Whether the step launched last has its sampling queued on the device (not left to its finish).
+        self._tokens_queued = True
         self.tp = None if link is None else link.group
         self.device = resolve_device(config.device) if link is None else link.device
         if link is None and config.tensor_parallel_size > 1:
@@ -281,11 +283,12 @@ class ModelRunner:
         return int(memory_info(self.device).free_bytes * config.kv_cache_memory_fraction)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> LaunchedStep:
-        """Queues a step's forward and sampling on the device; no wait for the device."""
-        if self._unfinished_head is not None:  # the constrained step before failed or was dropped
-            self._unfinished_head.release()  # its sampling must not hold this step's behind it
-            self._unfinished_head = None
+    def launch(self, out: SchedulerOutput, end_previous: Callable[[], None] | None = None) -> LaunchedStep:
+        """Queues a step's forward and sampling on the device; no wait for the device. `end_previous` ends
+        the step launched before (the engine's: it waits for that step's grammar fill and raises its
+        error). It is called once this step's forward is queued where that forward reads the step
+        before's tokens on the device behind a sampling queued already (a decode graph's: this launch's
+        host work then overlaps the fill), else first."""
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
@@ -330,14 +333,31 @@ class ModelRunner:
         )
         inputs: StepInputs = (input_ids, src_rows, positions, slot_mapping, cu_query, seq_lens, block_tables)
         max_query_len = 1 if num_tokens == num_seqs else int(query_lens.max())
+        graph_samples = self.workers is None and use_graph and self._graph_samples(out)
+        if not (graph_samples and self._tokens_queued):
+            self._end_previous(end_previous)
+            end_previous = None
+        self._tokens_queued = True  # but where _sample leaves the sampling to the step's finish
         if self.workers is not None:
             return self._launch_parallel(self.workers, out, use_graph, inputs, max_query_len)
-        if use_graph and self._graph_samples(out):
+        if graph_samples:
             if any(s.seq.grammar is not None for s in out.scheduled):
-                return self._launch_graph_masked(out, inputs)
-            return self._launch_graph_sampled(out, inputs)
+                return self._launch_graph_masked(out, inputs, end_previous)
+            return self._launch_graph_sampled(out, inputs, end_previous)
         hidden = self._forward(use_graph, inputs, max_query_len)
         return self._sample(out, hidden, cu_query)
+
+    def _end_previous(self, end_previous: Callable[[], None] | None) -> None:
+        """Ends the step launched before (launch's `end_previous`). A constrained step before that did not
+        finish (dropped, or its fill failed) has its masked sampling released: it must not hold this
+        step's behind it."""
+        try:
+            if end_previous is not None:
+                end_previous()
+        finally:
+            if self._unfinished_head is not None:
+                self._unfinished_head.release()
+                self._unfinished_head = None
 
     def _graph_samples(self, out: SchedulerOutput) -> bool:
         """Whether the decode graph's sampling head can sample this step: every row samples with a
@@ -351,7 +371,9 @@ class ModelRunner:
             and all(s.samples and s.seq.temperature_only for s in out.scheduled)
         )
 
-    def _launch_graph_masked(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
+    def _launch_graph_masked(
+        self, out: SchedulerOutput, inputs: StepInputs, end_previous: Callable[[], None] | None = None
+    ) -> LaunchedStep:
         """A decode step with rows a grammar constrains: the forward graph and the masked sampling head's
         graph queued at once, the head's sampling waiting on the device until the filler releases it
         (MaskedHeadGraphs), then the grammars' bitmask begun on the host (their matchers follow the
@@ -365,6 +387,7 @@ class ModelRunner:
         graphs.run(
             {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}, batch_size=len(seqs)
         )
+        self._end_previous(end_previous)  # its fill ran meanwhile; its tokens are this step's grammars'
         head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
         # The head first: a number released belongs to a wait queued (released and never waited for, it
         # would let the next step's wait pass before its fill).
@@ -413,7 +436,9 @@ class ModelRunner:
             head = self.masked_head = MaskedHeadGraphs(self.decode_graphs, *layout)
         return head
 
-    def _launch_graph_sampled(self, out: SchedulerOutput, inputs: StepInputs) -> LaunchedStep:
+    def _launch_graph_sampled(
+        self, out: SchedulerOutput, inputs: StepInputs, end_previous: Callable[[], None] | None = None
+    ) -> LaunchedStep:
         """A decode step whose forward, logits and sampling are one graph replay."""
         graphs, sampler = self.decode_graphs, self.sampler
         assert graphs is not None and sampler is not None  # checked by _graph_samples
@@ -421,6 +446,7 @@ class ModelRunner:
         temperature, seeds = sampler.fused_parameters(seqs)
         graph_inputs = {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}
         pairs = graphs.run(graph_inputs, batch_size=len(seqs), head=True)
+        self._end_previous(end_previous)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
         return LaunchedStep(len(seqs), list(range(len(seqs))), sampler.graph_sampled(pairs, seqs))
@@ -529,6 +555,7 @@ class ModelRunner:
         finish = functools.partial(self._end_sampling, pending)
         if pending.done:
             return LaunchedStep(num_seqs, sampling_rows, finish())
+        self._tokens_queued = False  # until this step's finish: the next forward reads its tokens
         return LaunchedStep(num_seqs, sampling_rows, None, finish)
 
     @torch.inference_mode()

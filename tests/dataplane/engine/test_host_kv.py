@@ -364,13 +364,13 @@ def test_no_step_reads_and_no_copy_reuses_a_block_while_a_load_into_it_is_in_fli
     launch = engine.runner.launch
     steps_during_loads = 0
 
-    def checked_launch(out):
+    def checked_launch(out, end_previous=None):
         nonlocal steps_during_loads
         devices, _ = busy()
         steps_during_loads += bool(devices)
         for item in out.scheduled:
             assert not set(item.seq.block_ids) & devices, item.seq.request_id
-        return launch(out)
+        return launch(out, end_previous)
 
     monkeypatch.setattr(engine.runner, "launch", checked_launch)
     rng = random.Random(1)

@@ -31,8 +31,8 @@ def record_launches(llm: LLM) -> list[tuple]:
     runner = llm.engine.runner
     launch = runner.launch
 
-    def recording_launch(out):
-        launched = launch(out)
+    def recording_launch(out, end_previous=None):
+        launched = launch(out, end_previous)
         number = sum(1 for e in events if e[0] == "launch")
         events.append(("launch", {s.seq.request_id: s.samples for s in out.scheduled}))
         result = launched.result

@@ -431,12 +431,14 @@ def test_a_constrained_step_dropped_before_its_finish_releases_its_wait_at_the_n
     assert out.token_ids and int(signal.host[0]) == 1 and runner._unfinished_head is None
 
 
-@pytest.mark.parametrize("fails", [None, "begin", "wait"])
+@pytest.mark.parametrize("fails", [None, "end", "begin", "wait"])
 def test_a_constrained_graph_step_queues_its_head_before_the_fill_and_leaves_no_wait_behind(fails):
     """ModelRunner._launch_graph_masked (a GPU's; here with stand-ins for its graphs, head and sampler):
-    the masked head is queued before the fill begins, so that every number released belongs to a wait
-    queued; a step whose fill cannot begin releases its wait at once, and one whose fill fails stays
-    the runner's to release at its next launch (a finished one is not)."""
+    the forward is queued before the step before is ended (its fill waited for: the host's work of
+    the launch overlaps it), and the masked head before this step's fill begins, so that every number
+    released belongs to a wait queued; a step before that fails to end has its own wait released, a
+    step whose fill cannot begin releases its wait at once, and one whose fill fails stays the
+    runner's to release at its next launch (a finished one is not)."""
     from types import SimpleNamespace
 
     from modelfleet.dataplane.engine.model_runner import ModelRunner
@@ -473,19 +475,26 @@ def test_a_constrained_graph_step_queues_its_head_before_the_fill_and_leaves_no_
         _masked_head=lambda vocab: head,
         model_config=SimpleNamespace(vocab_size=16),
         device=torch.device("cpu"),
-        _unfinished_head=None,
     )
+    runner._end_previous = lambda end: ModelRunner._end_previous(runner, end)
+    signal.queue()  # the step before's wait, unreleased until that step has ended
+    runner._unfinished_head = MaskReady(torch.zeros(2, 1, dtype=torch.int32), None, signal, 1)
+
+    def end_previous():
+        fail_at("end")
+        runner._unfinished_head = None  # as its finish does
+
     seqs = [SimpleNamespace(grammar=SimpleNamespace(vocab="vocab"), sample_row=None) for _ in range(2)]
     out = SimpleNamespace(scheduled=[SimpleNamespace(seq=seq) for seq in seqs])
     inputs = tuple(np.zeros(2, np.int64) for _ in range(7))
-    if fails == "begin":
-        with pytest.raises(RuntimeError, match="begin failed"):
-            ModelRunner._launch_graph_masked(runner, out, inputs)
-        assert calls == ["forward", "ready", "run", "begin"]
+    if fails in ("end", "begin"):
+        with pytest.raises(RuntimeError, match=f"{fails} failed"):
+            ModelRunner._launch_graph_masked(runner, out, inputs, end_previous)
+        assert calls == ["forward", "end", "ready", "run", "begin"][: 2 if fails == "end" else 5]
         assert int(signal.host[0]) == signal.queued and runner._unfinished_head is None
         return
-    launched = ModelRunner._launch_graph_masked(runner, out, inputs)
-    assert calls == ["forward", "ready", "run", "begin"] and [s.sample_row for s in seqs] == [0, 1]
+    launched = ModelRunner._launch_graph_masked(runner, out, inputs, end_previous)
+    assert calls == ["forward", "end", "ready", "run", "begin"] and [s.sample_row for s in seqs] == [0, 1]
     assert runner._unfinished_head.number == signal.queued and int(signal.host[0]) < signal.queued
     if fails == "wait":
         with pytest.raises(RuntimeError, match="wait failed"):
@@ -495,6 +504,40 @@ def test_a_constrained_graph_step_queues_its_head_before_the_fill_and_leaves_no_
         launched.finish()
         assert launched.sampled == "sampled" and runner._unfinished_head is None
     assert int(signal.host[0]) < signal.queued  # the runner released nothing it was not to
+
+
+@pytest.mark.parametrize("tokens_queued", [True, False])
+def test_a_decode_graph_step_ends_the_step_before_once_its_forward_is_queued(tokens_queued):
+    """ModelRunner.launch (stand-ins for the graph paths): a decode graph's forward reads the step
+    before's tokens on the device, so it is queued before that step is ended (its fill waited for) where
+    that step's sampling is queued already; where it was left to that step's finish (an eager
+    constrained step), the step before is ended first. Either way the launch's inputs are built first."""
+    from types import SimpleNamespace
+
+    from modelfleet.dataplane.engine.model_runner import ModelRunner
+
+    calls: list[str] = []
+
+    def graph_step(out, inputs, end_previous):
+        calls.append("forward")
+        runner._end_previous(end_previous)
+        return "launched"
+
+    runner = SimpleNamespace(
+        block_size=4,
+        decode_graphs=SimpleNamespace(max_batch=8, buffers={"block_tables": torch.zeros(8, 4)}),
+        workers=None,
+        _graph_samples=lambda out: True,
+        _tokens_queued=tokens_queued,
+        _unfinished_head=None,
+        _launch_graph_sampled=graph_step,
+    )
+    runner._end_previous = lambda end: ModelRunner._end_previous(runner, end)
+    seqs = [SimpleNamespace(token_ids=[1, 2, 3], block_ids=[0], sample_row=i, grammar=None) for i in range(2)]
+    scheduled = [SimpleNamespace(seq=s, num_new_tokens=1, num_computed_tokens=3) for s in seqs]
+    launched = ModelRunner.launch(runner, SimpleNamespace(scheduled=scheduled), lambda: calls.append("end"))
+    assert launched == "launched" and runner._tokens_queued
+    assert calls == (["forward", "end"] if tokens_queued else ["end", "forward"])
 
 
 def test_a_masked_heads_flags_and_signal_follow_a_fill_in_the_engine(llm, monkeypatch):
