@@ -151,3 +151,26 @@ def test_nan_logits_fail_only_their_row():
     assert out.errors[1] is not None and "NaN" in out.errors[1]
     assert out.errors[0] is None and out.errors[2] is None
     assert [out.token_ids[0], out.token_ids[2]] == logits[[0, 2]].argmax(dim=-1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_read_batch_gives_its_pinned_buffer_to_the_next_and_an_unread_one_keeps_its_own():
+    """SampledBatch reads a step's tokens back through pinned buffers reused from batch to batch: a
+    batch's goes to the next once read, never while unread (its copy may still be in flight)."""
+    from modelfleet.dataplane.engine.sampler import SampledBatch
+
+    def batch(rows):
+        pairs = torch.tensor(rows, dtype=torch.int64, device="cuda")
+        return SampledBatch(pairs, None, [SamplingParams()] * len(rows))
+
+    with torch.inference_mode():  # as the engine makes them; its buffers go to batches made outside too
+        first = batch([[1, 0], [2, 0], [3, 0]])
+    second = batch([[4, 0], [5, 0], [6, 0]])  # the first is unread: a buffer of its own
+    assert second._host[0].data_ptr() != first._host[0].data_ptr()
+    assert first.host_token_ids() == [1, 2, 3]
+    third = batch([[7, 0], [8, 1]])
+    assert third._host[0].data_ptr() == first._host[0].data_ptr()  # the first, read, gave its own
+    assert second.host_token_ids() == [4, 5, 6] and first.host_token_ids() == [1, 2, 3]
+    assert third.result().token_ids == [7, 8]
+    assert third.result().errors == [None, "the model produced NaN logits"]
