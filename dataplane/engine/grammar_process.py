@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
-from modelfleet.dataplane.engine.shared_host import Place, attach, place_of, shared_bytes
+from modelfleet.dataplane.engine.shared_host import Place, attach, place_of, raise_to, set_flags, shared_bytes
 from modelfleet.dataplane.engine.structured import (
     GrammarVocab,
     RemoteGrammar,
@@ -364,14 +364,13 @@ def _serve(steps: Connection, compiles: Connection) -> None:
                 fill([m for _, m in live], into.bits[:num_rows], [row for row, _ in live])
             reply = np.array([row for row, _ in live], dtype=np.int32).tobytes()
             if into.flags is not None:
-                into.flags[:] = 0
-                into.flags[[row for row, _ in live]] = 1
+                set_flags(into.flags, [row for row, _ in live])
         except Exception as exc:  # the engine's step fails with it; the process goes on
             reply = np.array([_FAILED], dtype=np.int32).tobytes() + f"{type(exc).__name__}: {exc}".encode()
         if release:  # after the bitmask and the flags: the masked head copies them once released
             signal = targets[target].signal if target in targets else None
-            if signal is not None and signal[0] < release:
-                signal[0] = release
+            if signal is not None:
+                raise_to(signal, release)
         steps.send_bytes(reply)
 
 

@@ -32,6 +32,7 @@ from modelfleet.dataplane.engine.sampler import PendingSample, SampledBatch, Sam
 from modelfleet.dataplane.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
+    from modelfleet.dataplane.engine.sequence import Sequence
     from modelfleet.dataplane.engine.structured import GrammarVocab
     from modelfleet.dataplane.kernels.cuda_graphs import DecodeGraphRunner, MaskedHeadGraphs
     from modelfleet.dataplane.kernels.host_signal import MaskReady
@@ -380,14 +381,12 @@ class ModelRunner:
         previous step's tokens, and the fill starts). `finish` raises the fill's error, if any, before the
         step's tokens are read. A step that fails to launch releases its wait here; one that does not
         finish, at the next launch."""
-        graphs, sampler = self.decode_graphs, self.sampler
-        assert graphs is not None and sampler is not None  # checked by _graph_samples
+        sampler = self.sampler
+        assert sampler is not None  # checked by _graph_samples
         seqs = [s.seq for s in out.scheduled]
-        temperature, seeds = sampler.fused_parameters(seqs)  # the head reads them from the forward's inputs
-        graphs.run(
-            {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}, batch_size=len(seqs)
-        )
-        self._end_previous(end_previous)  # its fill ran meanwhile; its tokens are this step's grammars'
+        # The masked head reads the temperatures and seeds from the forward's inputs; the step before's
+        # fill ran meanwhile, and its tokens are what this step's grammars follow.
+        self._replay_decode_graph(seqs, inputs, end_previous, head=False)
         head = self._masked_head(next(s.grammar.vocab for s in seqs if s.grammar is not None))
         # The head first: a number released belongs to a wait queued (released and never waited for, it
         # would let the next step's wait pass before its fill).
@@ -440,16 +439,26 @@ class ModelRunner:
         self, out: SchedulerOutput, inputs: StepInputs, end_previous: Callable[[], None] | None = None
     ) -> LaunchedStep:
         """A decode step whose forward, logits and sampling are one graph replay."""
-        graphs, sampler = self.decode_graphs, self.sampler
-        assert graphs is not None and sampler is not None  # checked by _graph_samples
+        sampler = self.sampler
+        assert sampler is not None  # checked by _graph_samples
         seqs = [s.seq for s in out.scheduled]
-        temperature, seeds = sampler.fused_parameters(seqs)
-        graph_inputs = {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}
-        pairs = graphs.run(graph_inputs, batch_size=len(seqs), head=True)
-        self._end_previous(end_previous)
+        pairs = self._replay_decode_graph(seqs, inputs, end_previous, head=True)
         for row, seq in enumerate(seqs):
             seq.sample_row = row
         return LaunchedStep(len(seqs), list(range(len(seqs))), sampler.graph_sampled(pairs, seqs))
+
+    def _replay_decode_graph(
+        self, seqs: list[Sequence], inputs: StepInputs, end_previous: Callable[[], None] | None, *, head: bool
+    ) -> torch.Tensor:
+        """The decode graph replayed on a step's inputs and its rows' temperatures and seeds (with the
+        sampling head if `head`), then the step before ended (launch's `end_previous`)."""
+        graphs, sampler = self.decode_graphs, self.sampler
+        assert graphs is not None and sampler is not None  # checked by _graph_samples
+        temperature, seeds = sampler.fused_parameters(seqs)
+        graph_inputs = {**_graph_inputs(inputs), "temperature": temperature, "seeds": seeds}
+        output = graphs.run(graph_inputs, batch_size=len(seqs), head=head)
+        self._end_previous(end_previous)
+        return output
 
     def _launch_parallel(
         self,

@@ -14,6 +14,7 @@ import os
 from multiprocessing.shared_memory import SharedMemory
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,19 @@ def host_bytes(nbytes: int, *, pinned: bool, shared: bool) -> torch.Tensor:
         except OSError as exc:
             logger.warning("a buffer helper processes write is not in shared memory (%s): copied in", exc)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def raise_to(cell: np.ndarray, number: int) -> None:
+    """Writes `number` into a one-element counter unless it holds as much already: a release signal
+    (kernels/host_signal.py), written by the engine or a helper process, never goes down."""
+    if number > cell[0]:
+        cell[0] = number
+
+
+def set_flags(flags: np.ndarray, rows: list[int]) -> None:
+    """Row flags of a step's bitmask: 1 for `rows` (masked), 0 for the others (sampling freely)."""
+    flags[:] = 0
+    flags[rows] = 1
 
 
 def place_of(tensor: torch.Tensor) -> Place | None:

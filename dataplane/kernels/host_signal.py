@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from modelfleet.dataplane.engine.shared_host import host_bytes, place_of, raise_to, set_flags
 
 
 @triton.jit
@@ -37,8 +38,6 @@ class HostSignal:
     memory: engine/shared_host.py), read by the device through its mapping of that memory."""
 
     def __init__(self, device: torch.device) -> None:
-        from modelfleet.dataplane.engine.shared_host import host_bytes, place_of
-
         with torch.inference_mode(False):
             memory = host_bytes(8, pinned=device.type == "cuda", shared=True)
         self.host = memory.view(torch.int64)
@@ -63,8 +62,7 @@ class HostSignal:
 
     def release(self, number: int) -> None:
         """Releases every wait up to `number` (never lowers the signal)."""
-        if number > self._value[0]:
-            self._value[0] = number
+        raise_to(self._value, number)
 
     def release_all(self) -> None:
         self.release(self.queued)
@@ -82,9 +80,7 @@ class MaskReady(NamedTuple):
 
     def flag(self, rows: list[int]) -> None:
         """The row flags: `rows` masked, the others sampling freely."""
-        flags = self.flags.numpy()
-        flags[:] = 0
-        flags[rows] = 1
+        set_flags(self.flags.numpy(), rows)
 
     def release(self) -> None:
         self.signal.release(self.number)

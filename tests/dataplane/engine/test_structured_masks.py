@@ -470,13 +470,16 @@ def test_a_constrained_graph_step_queues_its_head_before_the_fill_and_leaves_no_
         graph_sampled=lambda pairs, seqs: "sampled",
     )
     runner = SimpleNamespace(
-        decode_graphs=SimpleNamespace(run=lambda inputs, batch_size: calls.append("forward")),
+        decode_graphs=SimpleNamespace(run=lambda inputs, batch_size, head: calls.append("forward")),
         sampler=sampler,
         _masked_head=lambda vocab: head,
         model_config=SimpleNamespace(vocab_size=16),
         device=torch.device("cpu"),
     )
     runner._end_previous = lambda end: ModelRunner._end_previous(runner, end)
+    runner._replay_decode_graph = lambda *args, head: ModelRunner._replay_decode_graph(
+        runner, *args, head=head
+    )
     signal.queue()  # the step before's wait, unreleased until that step has ended
     runner._unfinished_head = MaskReady(torch.zeros(2, 1, dtype=torch.int32), None, signal, 1)
 
