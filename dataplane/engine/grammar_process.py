@@ -359,18 +359,19 @@ def _serve(steps: Connection, compiles: Connection) -> None:
                 accept(handles, tokens, False)
             rows = [(row, _matcher(matchers, slot)) for row, slot, _ in entries]
             live = [(row, matcher) for row, matcher in rows if not matcher.is_terminated()]
+            live_rows = [row for row, _ in live]
             into = targets[target]
             if live:
-                fill([m for _, m in live], into.bits[:num_rows], [row for row, _ in live])
-            reply = np.array([row for row, _ in live], dtype=np.int32).tobytes()
+                fill([m for _, m in live], into.bits[:num_rows], live_rows)
+            reply = np.array(live_rows, dtype=np.int32).tobytes()
             if into.flags is not None:
-                set_flags(into.flags, [row for row, _ in live])
+                set_flags(into.flags, live_rows)
         except Exception as exc:  # the engine's step fails with it; the process goes on
             reply = np.array([_FAILED], dtype=np.int32).tobytes() + f"{type(exc).__name__}: {exc}".encode()
         if release:  # after the bitmask and the flags: the masked head copies them once released
-            signal = targets[target].signal if target in targets else None
-            if signal is not None:
-                raise_to(signal, release)
+            filled = targets.get(target)
+            if filled is not None and filled.signal is not None:
+                raise_to(filled.signal, release)
         steps.send_bytes(reply)
 
 
